@@ -1,0 +1,5 @@
+#pragma once
+/// \file Accelerators: CPU and GPU (see accelerators/concept.hpp for the contract).
+#include "volt/accelerators/concept.hpp"
+#include "volt/accelerators/cpu.hpp"
+#include "volt/accelerators/gpu.hpp"

@@ -1,0 +1,40 @@
+#pragma once
+/// \file
+/// The Accelerator kind: which hardware runs the math. An accelerator is a stateless type.
+///
+/// | member | meaning |
+/// |---|---|
+/// | `static constexpr c10::DeviceType device_type` | the device type tensors and autocast use |
+/// | `static constexpr const char* name` | for messages |
+/// | `static constexpr bool has_fp16_autocast` | autocast to float16 works here (Fp16Mixed needs it) |
+/// | `static constexpr bool has_bf16_autocast` | autocast to bfloat16 works here (Bf16Mixed needs it) |
+/// | `static bool is_available()` | this process can use it now (a run-time check: phase (b)) |
+/// | `static int device_count()` | how many devices this process sees |
+/// | `static torch::Device device(int local_rank)` | the device a local rank uses |
+/// | `static void synchronize(torch::Device)` | wait for queued work on that device (timings) |
+///
+/// Writing your own: a struct with these members; the Trainer's rules read only the flags, never the type.
+/// \code
+///   struct MyNpu { static constexpr c10::DeviceType device_type = c10::DeviceType::PrivateUse1; ... };
+/// \endcode
+
+#include <c10/core/Device.h>
+#include <c10/core/DeviceType.h>
+
+#include <concepts>
+
+namespace volt {
+
+template <class A>
+concept Accelerator = requires(int local_rank, c10::Device device) {
+  { A::device_type } -> std::convertible_to<c10::DeviceType>;
+  { A::name } -> std::convertible_to<const char*>;
+  { A::has_fp16_autocast } -> std::convertible_to<bool>;
+  { A::has_bf16_autocast } -> std::convertible_to<bool>;
+  { A::is_available() } -> std::same_as<bool>;
+  { A::device_count() } -> std::convertible_to<int>;
+  { A::device(local_rank) } -> std::same_as<c10::Device>;
+  A::synchronize(device);
+};
+
+}  // namespace volt

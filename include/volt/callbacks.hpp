@@ -1,0 +1,7 @@
+#pragma once
+/// \file Callbacks shipped with volt (see callbacks/concept.hpp for every hook).
+#include "volt/callbacks/concept.hpp"
+#include "volt/callbacks/csv_logger.hpp"
+#include "volt/callbacks/early_stopping.hpp"
+#include "volt/callbacks/learning_rate_monitor.hpp"
+#include "volt/callbacks/progress_bar.hpp"

@@ -1,0 +1,139 @@
+#pragma once
+
+#include "volt/callbacks/concept.hpp"
+#include "volt/context.hpp"
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+/// Writes every logged metric to `<save_dir>/<name>/version_<n>/metrics.csv` on rank zero, one row per
+/// logging event, with a `step` column and the union of all metric names as columns (empty where a row
+/// has no value), as Lightning's CSVLogger. Rows are appended; when a new name appears the file is
+/// rewritten through a temporary file and a rename, so a reader never sees a half-written header.
+/// Writes nothing under fast_dev_run.
+class CSVLogger {
+ public:
+  struct Options {
+    /// Base folder; empty: the Trainer's default_root_dir.
+    std::string save_dir;
+    std::string name = "volt_logs";
+    /// Unset: the next free version number.
+    std::optional<int> version;
+    /// Write buffered rows every n logging events (and at the end of each run).
+    int64_t flush_every = 100;
+  };
+
+  CSVLogger() : CSVLogger(Options{}) {}
+  explicit CSVLogger(Options options) : options_(std::move(options)) {
+    if (options_.flush_every < 1) {
+      throw std::invalid_argument("volt: CSVLogger flush_every=" + std::to_string(options_.flush_every) +
+                                  " is not allowed: give a number >= 1.");
+    }
+  }
+
+  /// The run folder (empty until the first run starts).
+  const std::filesystem::path& log_dir() const { return log_dir_; }
+  std::filesystem::path metrics_file() const { return log_dir_ / "metrics.csv"; }
+
+  template <class T, class M>
+  void setup(T& trainer, M&, Stage) {
+    enabled_ = trainer.is_global_zero() && !trainer.fast_dev_run();
+    if (!enabled_ || !log_dir_.empty()) return;
+    const std::filesystem::path base =
+        std::filesystem::path(options_.save_dir.empty() ? trainer.options().default_root_dir : options_.save_dir) /
+        options_.name;
+    int version = options_.version.value_or(0);
+    if (!options_.version) {
+      while (std::filesystem::exists(base / ("version_" + std::to_string(version)))) ++version;
+    }
+    log_dir_ = base / ("version_" + std::to_string(version));
+    std::error_code ec;
+    std::filesystem::create_directories(log_dir_, ec);
+    if (ec) throw std::runtime_error("volt: CSVLogger cannot create " + log_dir_.string() + ": " + ec.message());
+  }
+
+  template <class T>
+  void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t step) {
+    if (!enabled_) return;
+    rows_.push_back({step, metrics});
+    for (const auto& [key, value] : metrics) {
+      if (!known_.count(key)) {
+        known_.emplace(key, columns_.size());
+        columns_.push_back(key);
+        header_changed_ = true;
+      }
+    }
+    if (static_cast<int64_t>(rows_.size() - written_) >= options_.flush_every) flush();
+  }
+
+  template <class T, class M>
+  void teardown(T&, M&, Stage) {
+    flush();
+  }
+  template <class T, class M>
+  void on_exception(T&, M&, std::exception_ptr) {
+    flush();
+  }
+
+  /// Writes rows not yet on disk.
+  void flush() {
+    if (!enabled_ || log_dir_.empty() || written_ == rows_.size()) return;
+    if (header_changed_) {
+      const std::filesystem::path tmp = log_dir_ / "metrics.csv.tmp";
+      {
+        std::ofstream f(tmp, std::ios::trunc);
+        write_header(f);
+        for (const auto& row : rows_) write_row(f, row);
+        f.flush();
+        if (!f) throw std::runtime_error("volt: CSVLogger could not write " + tmp.string());
+      }
+      std::filesystem::rename(tmp, metrics_file());
+      header_changed_ = false;
+    } else {
+      std::ofstream f(metrics_file(), std::ios::app);
+      for (std::size_t i = written_; i < rows_.size(); ++i) write_row(f, rows_[i]);
+      if (!f) throw std::runtime_error("volt: CSVLogger could not append to " + metrics_file().string());
+    }
+    written_ = rows_.size();
+  }
+
+ private:
+  struct Row {
+    int64_t step;
+    std::map<std::string, double> values;
+  };
+
+  void write_header(std::ostream& f) const {
+    for (const auto& c : columns_) f << c << ",";
+    f << "step\n";
+  }
+  void write_row(std::ostream& f, const Row& row) const {
+    f.precision(10);
+    for (const auto& c : columns_) {
+      if (auto it = row.values.find(c); it != row.values.end()) f << it->second;
+      f << ",";
+    }
+    f << row.step << "\n";
+  }
+
+  Options options_;
+  bool enabled_ = false;
+  std::filesystem::path log_dir_;
+  std::vector<std::string> columns_;
+  std::map<std::string, std::size_t> known_;
+  std::vector<Row> rows_;
+  std::size_t written_ = 0;
+  bool header_changed_ = false;
+};
+
+}  // namespace volt

@@ -1,0 +1,60 @@
+#pragma once
+
+#include "volt/callbacks/concept.hpp"
+
+#include <c10/util/Type.h>
+#include <torch/optim/optimizer.h>
+
+#include <optional>
+#include <string>
+#include <typeinfo>
+
+namespace volt {
+
+/// Records the learning rate of each parameter group as `lr-<Optimizer>` (`lr-<Optimizer>/pg<i>` when
+/// there are several groups), as Lightning's LearningRateMonitor: at every optimizer step, or at the start
+/// of every epoch.
+class LearningRateMonitor {
+ public:
+  enum class Interval { step, epoch };
+  struct Options {
+    Interval logging_interval = Interval::epoch;
+    bool prog_bar = false;
+  };
+
+  LearningRateMonitor() = default;
+  explicit LearningRateMonitor(Options options) : options_(options) {}
+
+  template <class T, class M>
+  void on_train_epoch_start(T& trainer, M&) {
+    if (options_.logging_interval == Interval::epoch) record(trainer);
+  }
+  template <class T, class M>
+  void on_before_optimizer_step(T& trainer, M&, torch::optim::Optimizer&) {
+    if (options_.logging_interval == Interval::step) record(trainer);
+  }
+
+  /// The rate last recorded for group 0 (unset before the first record).
+  std::optional<double> last_lr() const { return last_lr_; }
+
+ private:
+  template <class T>
+  void record(T& trainer) {
+    torch::optim::Optimizer* opt = trainer.optimizer();
+    if (opt == nullptr) return;
+    std::string name = c10::demangle(typeid(*opt).name());
+    if (const auto colon = name.rfind("::"); colon != std::string::npos) name = name.substr(colon + 2);
+    const auto& groups = opt->param_groups();
+    for (std::size_t i = 0; i < groups.size(); ++i) {
+      const double lr = groups[i].options().get_lr();
+      if (i == 0) last_lr_ = lr;
+      trainer.record_metric(groups.size() == 1 ? "lr-" + name : "lr-" + name + "/pg" + std::to_string(i), lr,
+                            options_.prog_bar);
+    }
+  }
+
+  Options options_;
+  std::optional<double> last_lr_;
+};
+
+}  // namespace volt

@@ -1,0 +1,148 @@
+#pragma once
+
+#include "volt/callbacks/concept.hpp"
+#include "volt/context.hpp"
+
+#include <torch/types.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+
+namespace volt {
+
+/// Training progress on rank zero: epoch, step/total, it/s, ETA and the progress-bar metrics.
+/// On a terminal the line is redrawn in place (at most `redraws_per_second` times); otherwise (a log file,
+/// CI) plain lines are printed about every tenth of an epoch and at its end. Reading metric values waits
+/// for the device, so redraws are throttled rather than done every step.
+class ProgressBar {
+ public:
+  struct Options {
+    /// Where to draw; defaults to std::cout.
+    std::ostream* out = nullptr;
+    /// Force plain lines (true) or in-place redraws (false); unset: redraw only when `out` is a terminal.
+    std::optional<bool> plain;
+    double redraws_per_second = 10.0;
+  };
+
+  ProgressBar() : ProgressBar(Options{}) {}
+  explicit ProgressBar(Options options) : options_(options) {
+    out_ = options_.out != nullptr ? options_.out : &std::cout;
+    plain_ = options_.plain.value_or(!(out_ == &std::cout && ::isatty(STDOUT_FILENO)));
+  }
+
+  template <class T, class M>
+  void on_train_epoch_start(T& trainer, M&) {
+    if (!trainer.is_global_zero()) return;
+    epoch_start_ = last_draw_ = Clock::now();
+    total_ = trainer.num_training_batches();
+    done_ = 0;
+    next_plain_ = total_ > 0 ? std::max<int64_t>(1, total_ / 10) : 50;
+  }
+
+  template <class T, class M, class L, class B>
+  void on_train_batch_end(T& trainer, M&, const L&, const B&, int64_t batch_idx) {
+    if (!trainer.is_global_zero()) return;
+    const int64_t done = done_ = batch_idx + 1;
+    const auto now = Clock::now();
+    if (plain_) {
+      if (done % next_plain_ != 0) return;
+    } else if (seconds(now - last_draw_) < 1.0 / options_.redraws_per_second && done != total_) {
+      return;
+    }
+    last_draw_ = now;
+    draw(trainer, done, now, /*final=*/false);
+  }
+
+  template <class T, class M>
+  void on_train_epoch_end(T& trainer, M&) {
+    if (!trainer.is_global_zero()) return;
+    draw(trainer, done_, Clock::now(), /*final=*/true);
+  }
+
+  template <class T, class M>
+  void on_test_end(T& trainer, M&) {
+    if (!trainer.is_global_zero()) return;
+    std::ostringstream o;
+    o << "Test:" << std::setprecision(4);
+    for (const auto& [name, value] : trainer.callback_metrics()) o << "  " << name << "=" << value.template item<double>();
+    *out_ << o.str() << "\n" << std::flush;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+  static std::string clock_text(double s) {
+    const auto t = static_cast<int64_t>(s + 0.5);
+    std::ostringstream o;
+    o << std::setfill('0');
+    if (t >= 3600) o << t / 3600 << ":";
+    o << std::setw(2) << (t / 60) % 60 << ":" << std::setw(2) << t % 60;
+    return o.str();
+  }
+
+  template <class T>
+  static std::string metrics_text(const T& trainer) {
+    std::ostringstream o;
+    o << std::setprecision(4);
+    for (const auto& [name, value] : trainer.progress_bar_metrics()) o << "  " << name << "=" << value.template item<double>();
+    return o.str();
+  }
+
+  template <class T>
+  void draw(const T& trainer, int64_t done, Clock::time_point now, bool final) {
+    const double elapsed = seconds(now - epoch_start_);
+    const double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0.0;
+    std::ostringstream line;
+    line << "Epoch " << trainer.current_epoch();
+    if (trainer.max_epochs() > 0) line << "/" << trainer.max_epochs() - 1;
+    line << "  ";
+    if (total_ > 0) {
+      constexpr int width = 24;
+      const int filled = static_cast<int>(width * std::min<int64_t>(done, total_) / total_);
+      line << "[" << std::string(filled, '=') << (filled < width ? ">" : "") << std::string(std::max(0, width - filled - 1), ' ')
+           << "] " << done << "/" << total_;
+    } else {
+      line << done << "/?";
+    }
+    line << std::fixed << std::setprecision(2) << "  " << rate << " it/s";
+    if (total_ > 0 && !final && rate > 0) line << "  ETA " << clock_text(static_cast<double>(total_ - done) / rate);
+    if (final) line << "  " << clock_text(elapsed);
+    line << std::defaultfloat << metrics_text(trainer);
+    if (plain_) {
+      *out_ << line.str() << "\n";
+    } else {
+      std::string text = line.str();
+      const std::size_t pad = last_width_ > text.size() ? last_width_ - text.size() : 0;
+      last_width_ = text.size();
+      *out_ << "\r" << text << std::string(pad, ' ');
+      if (final) {
+        *out_ << "\n";
+        last_width_ = 0;
+      }
+    }
+    *out_ << std::flush;
+  }
+
+  Options options_;
+  std::ostream* out_;
+  bool plain_;
+  Clock::time_point epoch_start_{}, last_draw_{};
+  int64_t total_ = -1;
+  int64_t done_ = 0;
+  int64_t next_plain_ = 50;
+  std::size_t last_width_ = 0;
+};
+
+}  // namespace volt

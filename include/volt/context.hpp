@@ -1,0 +1,198 @@
+#pragma once
+/// \file
+/// `volt::Context`: what a module's steps and hooks are handed. It says where the run is (stage, epoch,
+/// step, batch, rank, device) and takes the values the module logs, as Lightning's `self.log`:
+/// \code
+///   torch::Tensor training_step(const Batch& batch, volt::Context& ctx) {
+///     auto loss = torch::nn::functional::cross_entropy(forward(batch.data), batch.target);
+///     ctx.log("train_loss", loss, {.prog_bar = true});
+///     return loss;
+///   }
+/// \endcode
+/// A Context is not tied to the Trainer's type, so modules stay plain classes.
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace volt {
+
+/// Which loop is running. `sanity_check` is the short validation run before training.
+enum class Stage { train, sanity_check, validate, test, predict };
+
+inline const char* to_string(Stage s) {
+  switch (s) {
+    case Stage::train: return "train";
+    case Stage::sanity_check: return "sanity_check";
+    case Stage::validate: return "validate";
+    case Stage::test: return "test";
+    case Stage::predict: return "predict";
+  }
+  return "?";
+}
+
+/// How a logged value is reduced over an epoch (and across ranks when `sync_dist` is set).
+/// `mean` is weighted by batch size, as Lightning's default.
+enum class Reduce { mean, sum, max, min };
+
+/// Options of one `Context::log` call; Lightning's `self.log` keywords.
+struct LogOptions {
+  /// Show in the progress bar.
+  bool prog_bar = false;
+  /// Send to loggers (CSVLogger and any callback with `on_log_metrics`).
+  bool logger = true;
+  /// Keep the value of every step. Default: true in training steps and batch hooks, false elsewhere.
+  std::optional<bool> on_step;
+  /// Reduce over the epoch. Default: the opposite of the on_step default.
+  std::optional<bool> on_epoch;
+  /// How the epoch value is formed.
+  Reduce reduce = Reduce::mean;
+  /// Reduce the epoch value across ranks too.
+  bool sync_dist = false;
+  /// The weight of this value in the epoch mean; default: the first dimension of the batch's first tensor.
+  std::optional<int64_t> batch_size;
+};
+
+namespace detail {
+
+/// One logged name within one loop run (a training epoch, a validation run).
+struct MetricEntry {
+  std::string name;
+  bool on_step = false, on_epoch = false, prog_bar = false, logger = true, sync_dist = false;
+  Reduce reduce = Reduce::mean;
+  torch::Tensor step_value;  // the last step's value, detached
+  bool step_fresh = false;   // logged since the last publication
+  torch::Tensor accumulated;  // mean: sum of value * weight; sum: sum; max/min: running extreme
+  double weight = 0.0;        // mean: sum of batch sizes; others: number of values
+  std::string step_key() const { return on_step && on_epoch ? name + "_step" : name; }
+  std::string epoch_key() const { return on_step && on_epoch ? name + "_epoch" : name; }
+};
+
+/// The values logged during one loop run. Few names per run: a vector searched linearly beats a map.
+/// Accumulation uses out-of-place ops only, so values computed under InferenceMode mix with normal ones.
+class MetricStore {
+ public:
+  void clear() { entries_.clear(); }
+  std::vector<MetricEntry>& entries() { return entries_; }
+
+  void add(std::string_view name, const torch::Tensor& value, const LogOptions& o, bool on_step, bool on_epoch,
+           int64_t batch_size) {
+    MetricEntry* e = find(name);
+    if (e == nullptr) {
+      entries_.push_back(MetricEntry{std::string(name), on_step, on_epoch, o.prog_bar, o.logger, o.sync_dist,
+                                     o.reduce, {}, false, {}, 0.0});
+      e = &entries_.back();
+    } else if (e->on_step != on_step || e->on_epoch != on_epoch || e->reduce != o.reduce) {
+      throw std::invalid_argument("volt: \"" + std::string(name) +
+                                  "\" was logged twice in one loop with different on_step/on_epoch/reduce options; "
+                                  "log each name with one set of options.");
+    }
+    if (value.numel() != 1) {
+      throw std::invalid_argument("volt: log(\"" + std::string(name) + "\") needs a single value, got a tensor of " +
+                                  std::to_string(value.numel()) + " elements; reduce it first (e.g. .mean()).");
+    }
+    torch::Tensor v = value.detach().reshape({});
+    if (on_step) {
+      e->step_value = v;
+      e->step_fresh = true;
+    }
+    if (on_epoch) {
+      v = v.to(torch::kFloat64);
+      const double w = e->reduce == Reduce::mean ? static_cast<double>(batch_size) : 1.0;
+      if (!e->accumulated.defined()) {
+        e->accumulated = e->reduce == Reduce::mean ? v * w : v;
+      } else {
+        switch (e->reduce) {
+          case Reduce::mean: e->accumulated = e->accumulated + v * w; break;
+          case Reduce::sum: e->accumulated = e->accumulated + v; break;
+          case Reduce::max: e->accumulated = torch::maximum(e->accumulated, v); break;
+          case Reduce::min: e->accumulated = torch::minimum(e->accumulated, v); break;
+        }
+      }
+      e->weight += w;
+    }
+  }
+
+ private:
+  MetricEntry* find(std::string_view name) {
+    for (auto& e : entries_)
+      if (e.name == name) return &e;
+    return nullptr;
+  }
+  std::vector<MetricEntry> entries_;
+};
+
+/// Where the loops stand; the Trainer owns it and every Context points at it.
+struct LoopState {
+  Stage stage = Stage::train;
+  int64_t current_epoch = 0;
+  int64_t global_step = 0;
+  int64_t batch_idx = 0;
+  bool in_batch = false;  // inside a step or batch hook (decides the on_step default)
+  int global_rank = 0;
+  int world_size = 1;
+  torch::Device device = torch::kCPU;
+  const void* batch = nullptr;                        // the current batch, for batch-size inference
+  int64_t (*batch_size_of)(const void*) = nullptr;  // typed by the loop that set `batch`
+};
+
+}  // namespace detail
+
+/// Handed to every step and hook of a module.
+class Context {
+ public:
+  Context(detail::LoopState& state, detail::MetricStore& store) : state_(&state), store_(&store) {}
+
+  Stage stage() const { return state_->stage; }
+  int64_t current_epoch() const { return state_->current_epoch; }
+  /// Optimizer steps taken so far (as Lightning's `global_step`).
+  int64_t global_step() const { return state_->global_step; }
+  int64_t batch_idx() const { return state_->batch_idx; }
+  int global_rank() const { return state_->global_rank; }
+  int world_size() const { return state_->world_size; }
+  bool is_global_zero() const { return state_->global_rank == 0; }
+  /// The device batches are moved to.
+  torch::Device device() const { return state_->device; }
+
+  /// Records a scalar under `name` (see LogOptions for where it goes and how it is reduced).
+  void log(std::string_view name, const torch::Tensor& value, const LogOptions& options = {}) {
+    if (state_->stage == Stage::predict) {
+      throw std::logic_error("volt: log(\"" + std::string(name) + "\") was called while predicting; predict logs nothing.");
+    }
+    const bool step_default = state_->in_batch && state_->stage == Stage::train;
+    const bool on_step = options.on_step.value_or(step_default);
+    const bool on_epoch = options.on_epoch.value_or(!step_default);
+    if (!on_step && !on_epoch) {
+      throw std::invalid_argument("volt: log(\"" + std::string(name) +
+                                  "\") with on_step=false and on_epoch=false would record nothing; set one of them.");
+    }
+    if (on_step && !state_->in_batch) {
+      throw std::invalid_argument("volt: log(\"" + std::string(name) +
+                                  "\", on_step=true) outside a step or batch hook; epoch-level hooks log with on_epoch.");
+    }
+    int64_t batch_size = 1;
+    if (on_epoch && options.reduce == Reduce::mean) {
+      if (options.batch_size) {
+        batch_size = *options.batch_size;
+      } else if (state_->batch != nullptr) {
+        batch_size = state_->batch_size_of(state_->batch);
+      }
+    }
+    store_->add(name, value, options, on_step, on_epoch, batch_size);
+  }
+  void log(std::string_view name, double value, const LogOptions& options = {}) {
+    log(name, torch::scalar_tensor(value, torch::kFloat64), options);
+  }
+
+ private:
+  detail::LoopState* state_;
+  detail::MetricStore* store_;
+};
+
+}  // namespace volt

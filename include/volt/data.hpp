@@ -1,0 +1,3 @@
+#pragma once
+/// \file Loaders shipped with volt.
+#include "volt/data/tensor_loader.hpp"

@@ -1,0 +1,99 @@
+#pragma once
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/data/example.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace volt::data {
+
+/// Batches of in-memory tensors: `data[i]` and `targets[i]` form sample i. Knows its size, so every batch
+/// limit works with it, and shuffles with its own generator seeded by `seed + epoch`, so the order of an
+/// epoch depends on nothing but those two numbers (the Trainer calls `set_epoch` before each epoch).
+/// Contiguous batches without shuffling are views (no copy); shuffled batches gather with index_select.
+class TensorLoader {
+ public:
+  struct Options {
+    int64_t batch_size = 32;
+    bool shuffle = false;
+    bool drop_last = false;
+    uint64_t seed = 0;
+  };
+
+  TensorLoader(torch::Tensor data, torch::Tensor targets, Options options)
+      : data_(std::move(data)), targets_(std::move(targets)), options_(options) {
+    if (options_.batch_size < 1) {
+      throw std::invalid_argument("volt: TensorLoader batch_size=" + std::to_string(options_.batch_size) +
+                                  " is not allowed: give a number >= 1.");
+    }
+    if (!data_.defined() || data_.dim() == 0) {
+      throw std::invalid_argument("volt: TensorLoader needs data with a first (sample) dimension.");
+    }
+    if (targets_.defined() && targets_.size(0) != data_.size(0)) {
+      throw std::invalid_argument("volt: TensorLoader got " + std::to_string(data_.size(0)) + " samples of data but " +
+                                  std::to_string(targets_.size(0)) + " targets; they must match.");
+    }
+  }
+
+  int64_t num_samples() const { return data_.size(0); }
+  /// Batches per epoch.
+  int64_t size() const {
+    const int64_t n = num_samples();
+    return options_.drop_last ? n / options_.batch_size : (n + options_.batch_size - 1) / options_.batch_size;
+  }
+  void set_epoch(int64_t epoch) { epoch_ = epoch; }
+  int64_t epoch() const { return epoch_; }
+  const Options& options() const { return options_; }
+
+  /// The sample order of the current epoch.
+  torch::Tensor order() const {
+    if (!options_.shuffle) return torch::arange(num_samples(), torch::kLong);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(options_.seed + static_cast<uint64_t>(epoch_));
+    return torch::randperm(num_samples(), gen, torch::TensorOptions().dtype(torch::kLong));
+  }
+
+  class iterator {
+   public:
+    using value_type = torch::data::Example<>;
+    using difference_type = std::ptrdiff_t;
+    iterator() = default;
+    iterator(const TensorLoader* loader, int64_t batch, torch::Tensor order)
+        : loader_(loader), batch_(batch), order_(std::move(order)) {}
+    value_type operator*() const { return loader_->batch(batch_, order_); }
+    iterator& operator++() {
+      ++batch_;
+      return *this;
+    }
+    bool operator==(const iterator& other) const { return batch_ == other.batch_; }
+
+   private:
+    const TensorLoader* loader_ = nullptr;
+    int64_t batch_ = 0;
+    torch::Tensor order_;
+  };
+
+  iterator begin() const { return iterator(this, 0, options_.shuffle ? order() : torch::Tensor()); }
+  iterator end() const { return iterator(this, size(), {}); }
+
+ private:
+  torch::data::Example<> batch(int64_t b, const torch::Tensor& order) const {
+    const int64_t start = b * options_.batch_size;
+    const int64_t len = std::min(options_.batch_size, num_samples() - start);
+    if (!order.defined()) {
+      return {data_.narrow(0, start, len), targets_.defined() ? targets_.narrow(0, start, len) : torch::Tensor()};
+    }
+    const torch::Tensor idx = order.narrow(0, start, len);
+    return {data_.index_select(0, idx), targets_.defined() ? targets_.index_select(0, idx) : torch::Tensor()};
+  }
+
+  torch::Tensor data_, targets_;
+  Options options_;
+  int64_t epoch_ = 0;
+};
+
+}  // namespace volt::data

@@ -1,0 +1,128 @@
+#pragma once
+/// \file
+/// What volt asks of a user's module, and the optimizer set-up it returns.
+///
+/// A module is the user's own `torch::nn::Module` subclass (or its `TORCH_MODULE` holder) with:
+///
+/// | member | required | meaning |
+/// |---|---|---|
+/// | `training_step(Batch&, Context&) -> torch::Tensor` | yes | the loss of one batch |
+/// | `configure_optimizers() -> OptimizerConfig` (or an optimizer by value, or a shared/unique pointer to one) | yes | what steps the parameters |
+/// | `validation_step(Batch&, Context&)` | for validation | logs metrics; its result is ignored |
+/// | `test_step(Batch&, Context&)` | for test | as validation_step |
+/// | `predict_step(Batch&, Context&) -> R` | for predict | `predict` returns a `std::vector<R>` |
+///
+/// Every hook is optional; volt calls it when the module has it. Each takes the arguments below, with a
+/// trailing `Context&` allowed (needed to log from it). Hooks with other signatures are a compile error.
+///
+/// | hook | arguments (before the optional Context&) |
+/// |---|---|
+/// | `setup`, `teardown` | `Stage` |
+/// | `on_fit_start/end`, `on_train_start/end`, `on_validation_start/end`, `on_test_start/end`, `on_predict_start/end` | none |
+/// | `on_train_epoch_start/end`, `on_validation_epoch_start/end`, `on_test_epoch_start/end`, `on_predict_epoch_start/end` | none |
+/// | `on_train_batch_start` | `batch, batch_idx`; returning -1 (an integer) ends the epoch early |
+/// | `on_train_batch_end` | `loss, batch, batch_idx` |
+/// | `on_{validation,test,predict}_batch_start` | `batch, batch_idx` |
+/// | `on_{validation,test,predict}_batch_end` | `output, batch, batch_idx` (output: the step's result, or an undefined tensor for void steps) |
+/// | `on_before_zero_grad`, `on_before_optimizer_step` | `torch::optim::Optimizer&` |
+/// | `on_before_backward` | `const torch::Tensor& loss` |
+/// | `on_after_backward` | none |
+
+#include "volt/context.hpp"
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+
+#include <concepts>
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+namespace volt {
+
+/// When an LR scheduler is stepped.
+enum class Interval { epoch, step };
+
+/// What `configure_optimizers` returns: an optimizer and, optionally, an LR scheduler built on it.
+/// \code
+///   volt::OptimizerConfig configure_optimizers() {
+///     auto opt = std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1));
+///     return {.optimizer = opt, .scheduler = std::make_shared<torch::optim::StepLR>(*opt, 1, 0.5)};
+///   }
+/// \endcode
+struct OptimizerConfig {
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  /// Holds a reference to `*optimizer`, which is why both are shared pointers.
+  std::shared_ptr<torch::optim::LRScheduler> scheduler;
+  Interval interval = Interval::epoch;
+  /// Step the scheduler every `frequency` epochs or optimizer steps.
+  int64_t frequency = 1;
+};
+
+namespace detail {
+
+template <class M>
+concept ModuleHolder = requires(M& m) {
+  typename M::ContainedType;
+  { m.ptr() };
+};
+
+template <class M>
+struct ModuleImpl {
+  using type = M;
+};
+template <ModuleHolder M>
+struct ModuleImpl<M> {
+  using type = typename M::ContainedType;
+};
+
+/// The `torch::nn::Module` object behind a module or its TORCH_MODULE holder.
+template <class M>
+auto& unwrap(M& m) {
+  if constexpr (ModuleHolder<M>) {
+    return *m;
+  } else {
+    return m;
+  }
+}
+
+template <class T>
+OptimizerConfig to_optimizer_config(T&& r) {
+  using R = std::remove_cvref_t<T>;
+  if constexpr (std::is_same_v<R, OptimizerConfig>) {
+    return std::forward<T>(r);
+  } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, R>) {
+    return {.optimizer = std::make_shared<R>(std::move(r))};
+  } else {
+    // std::shared_ptr<O> or std::unique_ptr<O>
+    return {.optimizer = std::shared_ptr<torch::optim::Optimizer>(std::move(r))};
+  }
+}
+
+template <class R>
+concept OptimizerResult =
+    std::is_same_v<R, OptimizerConfig> ||
+    (std::is_base_of_v<torch::optim::Optimizer, R> && std::is_move_constructible_v<R>) ||
+    requires(R r) { std::shared_ptr<torch::optim::Optimizer>(std::move(r)); };
+
+}  // namespace detail
+
+/// The module type behind `M` (itself, or the Impl of a TORCH_MODULE holder).
+template <class M>
+using module_impl_t = typename detail::ModuleImpl<std::remove_cvref_t<M>>::type;
+
+/// A module volt can fit: a torch::nn::Module whose configure_optimizers returns something volt can use.
+/// training_step is checked where the batch type is known (in `fit`).
+template <class M>
+concept Module = std::derived_from<module_impl_t<M>, torch::nn::Module> && requires(module_impl_t<M>& m) {
+  { m.configure_optimizers() } -> detail::OptimizerResult;
+};
+
+template <class M, class Batch>
+concept TrainableOn = requires(module_impl_t<M>& m, Batch& b, Context& ctx) {
+  { m.training_step(b, ctx) } -> std::convertible_to<torch::Tensor>;
+};
+
+}  // namespace volt

@@ -1,0 +1,90 @@
+#pragma once
+/// \file
+/// The Precision kind: the number formats of a run. A precision is a default-constructible object the
+/// Trainer owns; it may hold state (Fp16Mixed's loss scale), saved with everything else.
+///
+/// | member | meaning |
+/// |---|---|
+/// | `static constexpr const char* name` | for messages |
+/// | `static constexpr bool needs_fp16_autocast` | the accelerator must have `has_fp16_autocast` |
+/// | `static constexpr bool needs_bf16_autocast` | the accelerator must have `has_bf16_autocast` |
+/// | `static constexpr bool converts_inputs` | floating tensors of each batch are cast to `input_dtype` |
+/// | `static constexpr torch::Dtype input_dtype` | (read only when `converts_inputs`) |
+/// | `forward_context(c10::DeviceType) -> guard` | an RAII object alive around each step (autocast, default dtype) |
+/// | `convert_module(torch::nn::Module&)` | once, after the strategy placed the module ("true" precisions cast it) |
+/// | `backward(const torch::Tensor& loss)` | runs backward (Fp16Mixed scales the loss first) |
+/// | `unscale_gradients(torch::optim::Optimizer&)` | before hooks and clipping see the gradients |
+/// | `optimizer_step(torch::optim::Optimizer&) -> bool` | steps; false when the step was skipped (inf/NaN) |
+/// | `state_dict() -> std::map<std::string, double>` / `load_state_dict(map)` | checkpointed state |
+///
+/// Writing your own: derive from `PrecisionDefaults` for the no-op members and set the flags.
+
+#include <c10/core/DeviceType.h>
+#include <c10/core/DefaultDtype.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <concepts>
+#include <map>
+#include <string>
+
+namespace volt {
+
+template <class P>
+concept Precision = std::default_initializable<P> &&
+    requires(P& p, const P& cp, const torch::Tensor& loss, torch::optim::Optimizer& opt, torch::nn::Module& m,
+             const std::map<std::string, double>& state) {
+      { P::name } -> std::convertible_to<const char*>;
+      { P::needs_fp16_autocast } -> std::convertible_to<bool>;
+      { P::needs_bf16_autocast } -> std::convertible_to<bool>;
+      { P::converts_inputs } -> std::convertible_to<bool>;
+      { P::input_dtype } -> std::convertible_to<torch::Dtype>;
+      p.forward_context(c10::DeviceType::CPU);
+      p.convert_module(m);
+      p.backward(loss);
+      p.unscale_gradients(opt);
+      { p.optimizer_step(opt) } -> std::same_as<bool>;
+      { cp.state_dict() } -> std::same_as<std::map<std::string, double>>;
+      p.load_state_dict(state);
+    };
+
+/// The members most precisions share: no forward context, module untouched, plain backward and step, no state.
+struct PrecisionDefaults {
+  struct NoGuard {};
+  static constexpr bool needs_fp16_autocast = false;
+  static constexpr bool needs_bf16_autocast = false;
+  static constexpr bool converts_inputs = false;
+  static constexpr torch::Dtype input_dtype = torch::kFloat32;
+
+  NoGuard forward_context(c10::DeviceType) { return {}; }
+  void convert_module(torch::nn::Module&) {}
+  void backward(const torch::Tensor& loss) { loss.backward(); }
+  void unscale_gradients(torch::optim::Optimizer&) {}
+  bool optimizer_step(torch::optim::Optimizer& optimizer) {
+    optimizer.step();
+    return true;
+  }
+  std::map<std::string, double> state_dict() const { return {}; }
+  void load_state_dict(const std::map<std::string, double>&) {}
+};
+
+namespace detail {
+
+/// Sets torch's default floating dtype for a scope (Lightning's `_DtypeContextManager`), so tensors a module
+/// creates in forward match its "true" precision.
+class DefaultDtypeGuard {
+ public:
+  explicit DefaultDtypeGuard(caffe2::TypeMeta dtype) : previous_(c10::get_default_dtype()) {
+    c10::set_default_dtype(dtype);
+  }
+  DefaultDtypeGuard(const DefaultDtypeGuard&) = delete;
+  DefaultDtypeGuard& operator=(const DefaultDtypeGuard&) = delete;
+  ~DefaultDtypeGuard() { c10::set_default_dtype(previous_); }
+
+ private:
+  caffe2::TypeMeta previous_;
+};
+
+}  // namespace detail
+}  // namespace volt

@@ -1,0 +1,42 @@
+#pragma once
+
+#include "volt/detail/torch_compat.hpp"
+#include "volt/precision/concept.hpp"
+#include "volt/precision/grad_scaler.hpp"
+
+namespace volt {
+
+/// Mixed float16: float32 parameters and optimizer, each step's forward under autocast to float16, and
+/// dynamic loss scaling so small gradients survive float16's range: the loss is scaled before backward,
+/// gradients are unscaled before clipping and hooks see them, a step whose gradients hold inf/NaN is skipped
+/// and the scale backs off. Needs an accelerator with float16 autocast (GPU).
+class Fp16Mixed : public PrecisionDefaults {
+ public:
+  static constexpr const char* name = "Fp16Mixed";
+  static constexpr bool needs_fp16_autocast = true;
+
+  Fp16Mixed() = default;
+  explicit Fp16Mixed(GradScalerOptions options) : scaler_(options) {}
+
+  detail::AutocastGuard forward_context(c10::DeviceType device) { return detail::AutocastGuard(device, at::kHalf); }
+  void backward(const torch::Tensor& loss) { scaler_.scale(loss).backward(); }
+  void unscale_gradients(torch::optim::Optimizer& optimizer) { scaler_.unscale_(optimizer); }
+  bool optimizer_step(torch::optim::Optimizer& optimizer) {
+    const bool stepped = scaler_.step(optimizer);
+    scaler_.update();
+    return stepped;
+  }
+  std::map<std::string, double> state_dict() const { return scaler_.state_dict(); }
+  void load_state_dict(const std::map<std::string, double>& state) { scaler_.load_state_dict(state); }
+
+  GradScaler& scaler() { return scaler_; }
+  const GradScaler& scaler() const { return scaler_; }
+
+ private:
+  GradScaler scaler_;
+};
+
+/// The name used in `Trainer<..., Fp16, GPU>`.
+using Fp16 = Fp16Mixed;
+
+}  // namespace volt

@@ -1,0 +1,906 @@
+#pragma once
+/// \file
+/// `volt::Trainer<Strategy, Precision, Accelerator, Callbacks...>`: runs a module's training, validation,
+/// test and prediction loops the way Lightning's Trainer does. It only orchestrates: it calls the same hooks
+/// on whatever policies it holds and never asks which ones they are.
+
+#include "volt/accelerators/cpu.hpp"
+#include "volt/batch.hpp"
+#include "volt/callbacks/concept.hpp"
+#include "volt/context.hpp"
+#include "volt/detail/hooks.hpp"
+#include "volt/detail/torch_compat.hpp"
+#include "volt/module.hpp"
+#include "volt/options.hpp"
+#include "volt/precision/fp32.hpp"
+#include "volt/rules.hpp"
+#include "volt/strategies/single_device.hpp"
+
+#include <ATen/Context.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/types.h>
+#include <torch/utils.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+/// Passed where no loader is given (fit without validation).
+struct NoLoader {};
+
+/// What `fit` returns (in the calling process, also under launchers that run fit elsewhere):
+/// the final callback metrics and the best checkpoint's path ("" without checkpointing).
+struct FitResult {
+  std::map<std::string, double> metrics;
+  std::string best_model_path;
+};
+
+namespace detail {
+
+template <class L>
+concept SizedLoader = requires(L& l) {
+  { l.size() } -> std::convertible_to<int64_t>;
+};
+
+/// A loader given as a pointer (the `std::unique_ptr` that torch::data::make_data_loader returns) is
+/// iterated through the pointer.
+template <class L>
+decltype(auto) deref_loader(L& loader) {
+  if constexpr (requires { loader.begin(); }) {
+    return (loader);
+  } else {
+    static_assert(requires { (*loader).begin(); },
+                  "volt: a loader must have begin() and end() yielding batches (a torch::data loader, a std::vector "
+                  "of batches, volt::data::TensorLoader, ...) or point to one.");
+    return (*loader);
+  }
+}
+
+template <class L>
+using batch_t = std::remove_cvref_t<decltype(*deref_loader(std::declval<L&>()).begin())>;
+
+template <class L>
+int64_t loader_size(L& loader) {
+  if constexpr (SizedLoader<L>) {
+    return static_cast<int64_t>(loader.size());
+  } else {
+    return -1;
+  }
+}
+
+/// Calls `f(batch, batch_idx, is_last)` for up to `limit` batches (-1: all); `f` returns false to stop.
+/// A sized loader knows its last batch; an unsized one is read one batch ahead to learn it.
+template <class L, class F>
+void for_each_batch(L& loader, int64_t limit, F&& f) {
+  if (limit == 0) return;
+  auto it = loader.begin();
+  auto end = loader.end();
+  if constexpr (SizedLoader<L>) {
+    for (int64_t idx = 0; it != end && (limit < 0 || idx < limit); ++it, ++idx) {
+      auto&& batch = *it;
+      if (!f(batch, idx, idx + 1 == limit)) return;
+    }
+  } else {
+    if (it == end) return;
+    using B = std::remove_cvref_t<decltype(*it)>;
+    std::optional<B> current(std::in_place, *it);
+    ++it;
+    for (int64_t idx = 0;; ++idx) {
+      const bool last = it == end || (limit >= 0 && idx + 1 >= limit);
+      if (!f(*current, idx, last) || last) return;
+      current.emplace(*it);
+      ++it;
+    }
+  }
+}
+
+template <class B>
+int64_t batch_size_of(const void* batch) {
+  return infer_batch_size(*static_cast<const B*>(batch));
+}
+
+/// A callback that receives metrics for writing (on_log_metrics).
+template <class C, class T>
+concept LoggerCallback = requires(C& cb, T& trainer, const std::map<std::string, double>& metrics) {
+  cb.on_log_metrics(trainer, metrics, int64_t{});
+};
+
+/// InferenceMode or NoGradGuard, chosen at run time.
+class EvalGradGuard {
+ public:
+  explicit EvalGradGuard(bool inference_mode) {
+    if (inference_mode) {
+      inference_.emplace();
+    } else {
+      no_grad_.emplace();
+    }
+  }
+
+ private:
+  std::optional<c10::InferenceMode> inference_;
+  std::optional<torch::NoGradGuard> no_grad_;
+};
+
+}  // namespace detail
+
+template <class S = SingleDevice, class P = Fp32, class A = CPU, class... Callbacks>
+class Trainer {
+  // Phase (a): each slot holds its kind, then the rules between slots (volt/rules.hpp).
+  static_assert(Strategy<S>,
+                "volt: the first Trainer argument must be a strategy (SingleDevice, DDP<Script>, DDP<Spawn>, "
+                "ManualParallel<...>): the order is Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
+  static_assert(Precision<P>,
+                "volt: the second Trainer argument must be a precision (Fp32, Fp64True, Bf16Mixed, Fp16Mixed, "
+                "Bf16True): the order is Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
+  static_assert(Accelerator<A>,
+                "volt: the third Trainer argument must be an accelerator (CPU, GPU): the order is "
+                "Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
+  static_assert((Callback<Callbacks> && ...), "volt: every callback must be a movable object type.");
+  static_assert(!detail::slots_ok<S, P, A> || Fp16AutocastAvailable<P, A>,
+                "volt: this precision autocasts to float16, which the accelerator does not offer (CPU has no "
+                "float16 autocast). On CPU use Bf16Mixed or Fp32; for Fp16Mixed use the GPU accelerator.");
+  static_assert(!detail::slots_ok<S, P, A> || Bf16AutocastAvailable<P, A>,
+                "volt: this precision autocasts to bfloat16, which the accelerator does not offer. Use Fp32 or an "
+                "accelerator with has_bf16_autocast.");
+
+ public:
+  using strategy_type = S;
+  using precision_type = P;
+  using accelerator_type = A;
+
+  /// Checks every run-time setting against what is allowed and what this machine has (phase (b)); sets up
+  /// nothing else until a run starts (phase (c)).
+  explicit Trainer(TrainerOptions options = {}, Callbacks... callbacks)
+      : options_(std::move(options)), callbacks_(std::move(callbacks)...) {
+    validate_options(options_);
+    if (!A::is_available()) {
+      throw ConfigError(std::string("volt: ") + A::name + " requested (devices=" + std::to_string(options_.devices) +
+                        ") but it is not available here: " + A::name + "::device_count() is " +
+                        std::to_string(A::device_count()) +
+                        ". Check the driver and visible devices (CUDA_VISIBLE_DEVICES), or use the CPU accelerator.");
+    }
+    if (options_.devices > A::device_count()) {
+      throw ConfigError(std::string("volt: devices=") + std::to_string(options_.devices) + " but " + A::name +
+                        "::device_count() is " + std::to_string(A::device_count()) + " here. Ask for at most " +
+                        std::to_string(A::device_count()) + ".");
+    }
+    strategy_.check_devices(options_, A::device_count(), A::name);
+    apply_fast_dev_run();
+  }
+
+  // ---- runs -------------------------------------------------------------------------------------------
+
+  /// Trains `module` on `train_loader`, validating on `val_loader` as the options say.
+  template <class M, class TrainLoader, class ValLoader = NoLoader>
+  FitResult fit(M& module, TrainLoader&& train_loader, ValLoader&& val_loader = {}) {
+    static_assert(Module<M>,
+                  "volt: fit needs a torch::nn::Module (or its TORCH_MODULE holder) with configure_optimizers() "
+                  "returning an optimizer, a shared_ptr/unique_ptr to one, or a volt::OptimizerConfig.");
+    using Batch = detail::batch_t<TrainLoader>;
+    static_assert(TrainableOn<M, Batch>,
+                  "volt: the module has no training_step for this loader's batches. Add "
+                  "`torch::Tensor training_step(const Batch& batch, volt::Context& ctx)` returning the loss.");
+    constexpr bool has_val = !std::is_same_v<std::remove_cvref_t<ValLoader>, NoLoader>;
+    if constexpr (has_val) {
+      static_assert(requires(module_impl_t<M>& m, detail::batch_t<ValLoader>& b, Context& c) {
+        m.validation_step(b, c);
+      }, "volt: fit was given a validation loader but the module has no validation_step for its batches. Add "
+         "`void validation_step(const Batch& batch, volt::Context& ctx)`, or call fit without the loader.");
+    }
+    return strategy_.launch([&]() -> FitResult {
+      auto& impl = detail::unwrap(module);
+      auto& train = detail::deref_loader(train_loader);
+      if constexpr (has_val) {
+        auto& val = detail::deref_loader(val_loader);
+        run_fit(impl, train, &val);
+      } else {
+        run_fit(impl, train, static_cast<NoLoader*>(nullptr));
+      }
+      return FitResult{callback_metric_values(), best_model_path()};
+    });
+  }
+
+  /// One validation run; returns its epoch metrics.
+  template <class M, class Loader>
+  std::map<std::string, double> validate(M& module, Loader&& loader) {
+    static_assert(requires(module_impl_t<M>& m, detail::batch_t<Loader>& b, Context& c) { m.validation_step(b, c); },
+                  "volt: validate needs the module's validation_step(const Batch&, volt::Context&) for this "
+                  "loader's batches.");
+    return strategy_.launch([&] { return run_standalone_eval(detail::unwrap(module), detail::deref_loader(loader), Stage::validate); });
+  }
+
+  /// One test run; returns its epoch metrics.
+  template <class M, class Loader>
+  std::map<std::string, double> test(M& module, Loader&& loader) {
+    static_assert(requires(module_impl_t<M>& m, detail::batch_t<Loader>& b, Context& c) { m.test_step(b, c); },
+                  "volt: test needs the module's test_step(const Batch&, volt::Context&) for this loader's batches.");
+    return strategy_.launch([&] { return run_standalone_eval(detail::unwrap(module), detail::deref_loader(loader), Stage::test); });
+  }
+
+  /// Runs predict_step on every batch (up to limit_predict_batches) and returns the results in order.
+  template <class M, class Loader>
+  auto predict(M& module, Loader&& loader) {
+    using Batch = detail::batch_t<Loader>;
+    static_assert(requires(module_impl_t<M>& m, Batch& b, Context& c) { m.predict_step(b, c); },
+                  "volt: predict needs the module's predict_step(const Batch&, volt::Context&) returning a result "
+                  "for this loader's batches.");
+    using R = std::remove_cvref_t<decltype(std::declval<module_impl_t<M>&>().predict_step(
+        std::declval<Batch&>(), std::declval<Context&>()))>;
+    return strategy_.launch([&] { return run_predict<R>(detail::unwrap(module), detail::deref_loader(loader)); });
+  }
+
+  // ---- what callbacks and callers read --------------------------------------------------------------
+
+  /// The options in effect (fast_dev_run applied).
+  const TrainerOptions& options() const { return options_; }
+  /// Completed training epochs (the index of the running one while training).
+  int64_t current_epoch() const { return state_.current_epoch; }
+  /// Optimizer steps taken.
+  int64_t global_step() const { return state_.global_step; }
+  /// The batch index within the running loop.
+  int64_t batch_idx() const { return state_.batch_idx; }
+  Stage stage() const { return state_.stage; }
+  bool sanity_checking() const { return state_.stage == Stage::sanity_check; }
+  bool is_global_zero() const { return strategy_.is_global_zero(); }
+  int64_t max_epochs() const { return max_epochs_; }
+  int64_t max_steps() const { return options_.max_steps; }
+  /// Training batches per epoch (-1: until the loader ends).
+  int64_t num_training_batches() const { return num_training_batches_; }
+  /// Batches of the running (or last) evaluation run (-1: until the loader ends).
+  int64_t num_eval_batches() const { return num_eval_batches_; }
+  bool fast_dev_run() const { return options_.fast_dev_run > 0; }
+
+  /// Asks the training loop to stop (honoured once min_epochs and min_steps are met).
+  void request_stop() { should_stop_ = true; }
+  bool should_stop() const { return should_stop_; }
+
+  /// The latest value of every logged name (step values and epoch values), as Lightning's `callback_metrics`.
+  const std::map<std::string, torch::Tensor>& callback_metrics() const { return callback_metrics_; }
+  const std::map<std::string, torch::Tensor>& progress_bar_metrics() const { return progress_bar_metrics_; }
+  const std::map<std::string, torch::Tensor>& logged_metrics() const { return logged_metrics_; }
+  /// `callback_metrics` as numbers (reads device values).
+  std::map<std::string, double> callback_metric_values() const { return to_doubles(callback_metrics_); }
+
+  /// The optimizer and scheduler of the running (or last) fit; null before.
+  torch::optim::Optimizer* optimizer() { return optim_.optimizer.get(); }
+  torch::optim::LRScheduler* lr_scheduler() { return optim_.scheduler.get(); }
+
+  S& strategy() { return strategy_; }
+  const S& strategy() const { return strategy_; }
+  P& precision() { return precision_; }
+  const P& precision() const { return precision_; }
+  template <class C>
+  C& callback() { return std::get<C>(callbacks_); }
+  std::tuple<Callbacks...>& callbacks() { return callbacks_; }
+
+  /// The best checkpoint a callback recorded ("" when none does).
+  std::string best_model_path() const {
+    std::string path;
+    std::apply([&](const auto&... cb) { (take_best_model_path(path, cb), ...); }, callbacks_);
+    return path;
+  }
+
+  /// Whether the running (or last) fit validates at all.
+  bool has_validation() const { return num_val_batches_ != 0; }
+
+  /// Records a value from outside a module step (a callback's own measurement, such as a learning rate):
+  /// it joins callback_metrics (and the progress bar), and loggers receive it now.
+  void record_metric(const std::string& name, double value, bool prog_bar = false, bool logger = true) {
+    const torch::Tensor v = torch::scalar_tensor(value, torch::kFloat64);
+    callback_metrics_[name] = v;
+    if (prog_bar) progress_bar_metrics_[name] = v;
+    if (logger) {
+      logged_metrics_[name] = v;
+      std::map<std::string, torch::Tensor> now{{name, v}};
+      send_to_loggers(now);
+    }
+  }
+
+ private:
+  template <class C>
+  static void take_best_model_path(std::string& path, const C& cb) {
+    if constexpr (requires { cb.best_model_path(); }) {
+      if (path.empty()) path = std::string(cb.best_model_path());
+    }
+  }
+
+  static std::map<std::string, double> to_doubles(const std::map<std::string, torch::Tensor>& m) {
+    std::map<std::string, double> out;
+    for (const auto& [k, v] : m) out.emplace(k, v.template item<double>());
+    return out;
+  }
+
+  // fast_dev_run overrides, as Lightning's.
+  void apply_fast_dev_run() {
+    if (options_.fast_dev_run > 0) {
+      const int64_t n = options_.fast_dev_run;
+      options_.limit_train_batches = Limit(n);
+      options_.limit_val_batches = Limit(n);
+      options_.limit_test_batches = Limit(n);
+      options_.limit_predict_batches = Limit(n);
+      options_.max_steps = n;
+      options_.max_epochs = 1;
+      options_.num_sanity_val_steps = 0;
+      options_.val_check_interval = Limit::all();
+      options_.check_val_every_n_epoch = 1;
+    }
+    max_epochs_ = options_.max_epochs.value_or(options_.max_steps == -1 ? 1000 : -1);
+  }
+
+  // ---- set-up shared by every run -----------------------------------------------------------------
+
+  void setup_run(torch::nn::Module& module) {
+    if (options_.seed) torch::manual_seed(*options_.seed);
+    if (options_.deterministic) {
+      at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+      at::globalContext().setDeterministicCuDNN(true);
+      at::globalContext().setBenchmarkCuDNN(false);
+      ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+    }
+    strategy_.setup_environment(A::device(strategy_.local_rank()));
+    state_.device = strategy_.root_device();
+    state_.global_rank = strategy_.global_rank();
+    state_.world_size = strategy_.world_size();
+    strategy_.setup_module(module);
+    precision_.convert_module(module);
+  }
+
+  template <class B>
+  void enter_batch(const B& batch, int64_t batch_idx) {
+    state_.batch_idx = batch_idx;
+    state_.in_batch = true;
+    state_.batch = &batch;
+    state_.batch_size_of = &detail::batch_size_of<B>;
+  }
+  void leave_batch() {
+    state_.in_batch = false;
+    state_.batch = nullptr;
+  }
+
+  /// The batch the step sees: moved to the device and cast for "true" precisions, or the loader's own
+  /// object when neither applies (CPU, no cast: no copy at all).
+  template <class B, class F>
+  decltype(auto) with_prepared(B& batch, F&& f) {
+    constexpr bool moves = A::device_type != c10::DeviceType::CPU;
+    if constexpr (moves || P::converts_inputs) {
+      auto prepared = [&] {
+        if constexpr (moves && P::converts_inputs) {
+          return batch_to_floating_dtype(batch_to_device(batch, state_.device), P::input_dtype);
+        } else if constexpr (moves) {
+          return batch_to_device(batch, state_.device);
+        } else {
+          return batch_to_floating_dtype(batch, P::input_dtype);
+        }
+      }();
+      return f(prepared);
+    } else {
+      return f(batch);
+    }
+  }
+
+  template <class F>
+  void each_callback(F&& f) {
+    std::apply([&](auto&... cb) { (f(cb), ...); }, callbacks_);
+  }
+  template <bool Monitors, class F>
+  void each_callback_monitoring(F&& f) {
+    std::apply([&](auto&... cb) {
+      auto one = [&](auto& c) {
+        if constexpr (monitors_metrics<std::remove_cvref_t<decltype(c)>> == Monitors) f(c);
+      };
+      (one(cb), ...);
+    }, callbacks_);
+  }
+
+  // A function, not a constant: its body is a complete-class context, so callbacks may use the Trainer's members.
+  static consteval bool has_loggers() {
+    return (detail::LoggerCallback<Callbacks, Trainer> || ... || false);
+  }
+
+  // ---- metrics ------------------------------------------------------------------------------------
+
+  /// After a batch: fresh step values become visible to callbacks, the progress bar and loggers.
+  void publish_step(detail::MetricStore& store) {
+    for (auto& e : store.entries()) {
+      if (!e.step_fresh) continue;
+      e.step_fresh = false;
+      const std::string key = e.step_key();
+      torch::Tensor v = e.sync_dist ? strategy_.all_reduce(e.step_value, e.reduce) : e.step_value;
+      if (e.sync_dist && e.reduce == Reduce::mean) v = v / strategy_.world_size();
+      callback_metrics_[key] = v;
+      if (e.prog_bar) progress_bar_metrics_[key] = v;
+      if (e.logger) {
+        logged_metrics_[key] = v;
+        if constexpr (has_loggers()) pending_log_[key] = v;
+      }
+    }
+  }
+
+  /// At an epoch's end: every on_epoch value reduced over the epoch (and across ranks when asked).
+  /// Safe to call more than once: later calls add what epoch-end hooks logged since.
+  void publish_epoch(detail::MetricStore& store, std::map<std::string, torch::Tensor>* to_log) {
+    for (auto& e : store.entries()) {
+      if (!e.on_epoch || e.weight == 0.0) continue;
+      torch::Tensor acc = e.accumulated;
+      torch::Tensor weight = torch::scalar_tensor(e.weight, acc.options());
+      if (e.sync_dist) {
+        acc = strategy_.all_reduce(acc, e.reduce);
+        if (e.reduce == Reduce::mean) weight = strategy_.all_reduce(weight, Reduce::sum);
+      }
+      torch::Tensor v = e.reduce == Reduce::mean ? acc / weight : acc;
+      const std::string key = e.epoch_key();
+      callback_metrics_[key] = v;
+      if (e.prog_bar) progress_bar_metrics_[key] = v;
+      if (e.logger) {
+        logged_metrics_[key] = v;
+        if (to_log != nullptr) (*to_log)[key] = v;
+      }
+    }
+  }
+
+  /// Hands metrics to every logger callback (with the epoch, as Lightning adds it) and clears them.
+  void send_to_loggers(std::map<std::string, torch::Tensor>& metrics) {
+    if constexpr (has_loggers()) {
+      if (metrics.empty()) return;
+      auto values = to_doubles(metrics);
+      values["epoch"] = static_cast<double>(state_.current_epoch);
+      const int64_t step = std::max<int64_t>(state_.global_step - 1, 0);
+      each_callback([&](auto& cb) {
+        if constexpr (requires { cb.on_log_metrics(*this, values, step); }) cb.on_log_metrics(*this, values, step);
+      });
+    }
+    metrics.clear();
+  }
+
+  // ---- fit ----------------------------------------------------------------------------------------
+
+  bool can_stop_early() const {
+    return state_.current_epoch >= options_.min_epochs && state_.global_step >= options_.min_steps;
+  }
+  bool max_steps_reached() const { return options_.max_steps >= 0 && state_.global_step >= options_.max_steps; }
+  bool fit_done() const {
+    if (num_training_batches_ == 0 || max_steps_reached()) return true;
+    if (max_epochs_ >= 0 && state_.current_epoch >= max_epochs_) return true;
+    return should_stop_ && can_stop_early();
+  }
+
+  template <class VL>
+  void resolve_fit_sizes(const int64_t train_size, VL* val) {
+    num_training_batches_ = options_.limit_train_batches.resolve(train_size, "limit_train_batches");
+    val_check_batch_ = -1;
+    const Limit& vci = options_.val_check_interval;
+    if (!vci.is_fraction()) {
+      val_check_batch_ = vci.count();
+      if (options_.check_val_every_n_epoch && num_training_batches_ >= 0 && val_check_batch_ > num_training_batches_) {
+        throw ConfigError("volt: val_check_interval=" + std::to_string(val_check_batch_) +
+                          " must be no more than the number of training batches per epoch (" +
+                          std::to_string(num_training_batches_) +
+                          "). Give a smaller value, a fraction, or leave check_val_every_n_epoch unset to count "
+                          "batches across epochs.");
+      }
+    } else if (num_training_batches_ >= 0) {
+      val_check_batch_ = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(num_training_batches_) * vci.fraction()));
+    } else if (vci.fraction() != 1.0) {
+      throw ConfigError("volt: val_check_interval=" + std::to_string(vci.fraction()) +
+                        " is a fraction of the training loader, which has no size(). Give an integer number of "
+                        "batches.");
+    }
+    num_val_batches_ = 0;
+    if (val != nullptr) {
+      num_val_batches_ = options_.limit_val_batches.resolve(detail::loader_size(*val), "limit_val_batches");
+    }
+  }
+
+  bool should_check_val(int64_t batch_idx, bool is_last) const {
+    if (num_val_batches_ == 0) return false;
+    if (options_.check_val_every_n_epoch && (state_.current_epoch + 1) % *options_.check_val_every_n_epoch != 0) {
+      return false;
+    }
+    const bool infinite = val_check_batch_ < 0;
+    if (is_last && infinite) return true;
+    if (should_stop_ && can_stop_early()) return true;
+    if (infinite) return false;
+    const int64_t iteration = options_.check_val_every_n_epoch ? batch_idx : total_batch_idx_;
+    return (iteration + 1) % val_check_batch_ == 0;
+  }
+
+  template <class Impl, class TL, class VL>
+  void run_fit(Impl& module, TL& train, VL* val) {
+    state_ = detail::LoopState{};
+    should_stop_ = false;
+    total_batch_idx_ = 0;
+    callback_metrics_.clear();
+    progress_bar_metrics_.clear();
+    logged_metrics_.clear();
+    setup_run(module);
+    Context ctx(state_, train_store_);
+
+    decltype(auto) train_loader = strategy_.process_dataloader(train, Stage::train);
+
+    try {
+      each_callback([&](auto& cb) { detail::callback_hook::setup(cb, *this, module, Stage::train); });
+      detail::module_hook::setup(module, ctx, Stage::train);
+      optim_ = detail::to_optimizer_config(module.configure_optimizers());
+      if (!optim_.optimizer) {
+        throw std::invalid_argument("volt: configure_optimizers returned no optimizer (a null pointer).");
+      }
+      if (optim_.frequency < 1) {
+        throw ConfigError("volt: OptimizerConfig frequency=" + std::to_string(optim_.frequency) +
+                          " is not allowed: give a number >= 1.");
+      }
+      params_ = module.parameters();
+
+      if constexpr (!std::is_same_v<VL, NoLoader>) {
+        decltype(auto) val_loader = strategy_.process_dataloader(*val, Stage::validate);
+        using V = std::remove_reference_t<decltype(val_loader)>;
+        resolve_fit_sizes(detail::loader_size(train_loader), &val_loader);
+        fit_loops(module, ctx, train_loader, static_cast<V*>(&val_loader));
+      } else {
+        resolve_fit_sizes(detail::loader_size(train_loader), static_cast<NoLoader*>(nullptr));
+        fit_loops(module, ctx, train_loader, static_cast<NoLoader*>(nullptr));
+      }
+
+      each_callback([&](auto& cb) { detail::callback_hook::teardown(cb, *this, module, Stage::train); });
+      detail::module_hook::teardown(module, ctx, Stage::train);
+    } catch (...) {
+      const std::exception_ptr error = std::current_exception();
+      each_callback([&](auto& cb) { detail::callback_hook::on_exception(cb, *this, module, error); });
+      leave_batch();
+      throw;
+    }
+  }
+
+  template <class Impl, class TL, class VL>
+  void fit_loops(Impl& module, Context& ctx, TL& train, VL* val) {
+    each_callback([&](auto& cb) { detail::callback_hook::on_fit_start(cb, *this, module); });
+    detail::module_hook::on_fit_start(module, ctx);
+
+    if constexpr (!std::is_same_v<VL, NoLoader>) {
+      if (num_val_batches_ != 0 && options_.num_sanity_val_steps != 0) {
+        const int64_t n = options_.num_sanity_val_steps < 0
+                              ? num_val_batches_
+                              : (num_val_batches_ < 0 ? options_.num_sanity_val_steps
+                                                      : std::min(options_.num_sanity_val_steps, num_val_batches_));
+        state_.stage = Stage::sanity_check;
+        each_callback([&](auto& cb) { detail::callback_hook::on_sanity_check_start(cb, *this, module); });
+        run_eval_loop(module, *val, Stage::sanity_check, n);
+        each_callback([&](auto& cb) { detail::callback_hook::on_sanity_check_end(cb, *this, module); });
+        state_.stage = Stage::train;
+      }
+    }
+
+    module.train();
+    each_callback([&](auto& cb) { detail::callback_hook::on_train_start(cb, *this, module); });
+    detail::module_hook::on_train_start(module, ctx);
+
+    while (!fit_done()) {
+      if constexpr (requires { train.set_epoch(int64_t{}); }) train.set_epoch(state_.current_epoch);
+      train_store_.clear();
+      state_.stage = Stage::train;
+      each_callback([&](auto& cb) { detail::callback_hook::on_train_epoch_start(cb, *this, module); });
+      detail::module_hook::on_train_epoch_start(module, ctx);
+
+      detail::for_each_batch(train, num_training_batches_, [&](auto&& batch, int64_t batch_idx, bool is_last) {
+        return train_batch(module, ctx, batch, batch_idx, is_last, val);
+      });
+
+      // Epoch end: callbacks, the module, then callbacks that monitor metrics (they see its logs).
+      publish_epoch(train_store_, nullptr);
+      each_callback_monitoring<false>([&](auto& cb) { detail::callback_hook::on_train_epoch_end(cb, *this, module); });
+      detail::module_hook::on_train_epoch_end(module, ctx);
+      std::map<std::string, torch::Tensor> epoch_log;
+      publish_epoch(train_store_, &epoch_log);
+      each_callback_monitoring<true>([&](auto& cb) { detail::callback_hook::on_train_epoch_end(cb, *this, module); });
+      send_to_loggers(epoch_log);
+      if (optim_.scheduler && optim_.interval == Interval::epoch && (state_.current_epoch + 1) % optim_.frequency == 0) {
+        optim_.scheduler->step();
+      }
+      ++state_.current_epoch;
+      should_stop_ = strategy_.reduce_boolean_decision(should_stop_, /*all=*/false);
+    }
+
+    each_callback([&](auto& cb) { detail::callback_hook::on_train_end(cb, *this, module); });
+    detail::module_hook::on_train_end(module, ctx);
+    each_callback([&](auto& cb) { detail::callback_hook::on_fit_end(cb, *this, module); });
+    detail::module_hook::on_fit_end(module, ctx);
+  }
+
+  /// One training batch: step, maybe optimizer step, hooks, metrics, maybe validation.
+  /// Returns false when the epoch should end here.
+  template <class Impl, class B, class VL>
+  bool train_batch(Impl& module, Context& ctx, B& batch, int64_t batch_idx, bool is_last, VL* val) {
+    enter_batch(batch, batch_idx);
+    each_callback([&](auto& cb) { detail::callback_hook::on_train_batch_start(cb, *this, module, batch, batch_idx); });
+    if constexpr (!std::is_void_v<decltype(detail::module_hook::on_train_batch_start(module, ctx, batch, batch_idx))>) {
+      const auto response = detail::module_hook::on_train_batch_start(module, ctx, batch, batch_idx);
+      if (static_cast<int64_t>(response) == -1) {
+        leave_batch();
+        return false;
+      }
+    } else {
+      detail::module_hook::on_train_batch_start(module, ctx, batch, batch_idx);
+    }
+
+    const int64_t k = options_.accumulate_grad_batches;
+    const bool window_start = batch_idx % k == 0;
+    const bool steps = (batch_idx + 1) % k == 0 || is_last;
+    torch::optim::Optimizer& optimizer = *optim_.optimizer;
+
+    torch::Tensor loss = with_prepared(batch, [&](auto& b) -> torch::Tensor {
+      auto guard = precision_.forward_context(A::device_type);
+      return module.training_step(b, ctx);
+    });
+
+    if (loss.defined()) {  // an undefined loss skips this batch's optimization, as returning None in Lightning
+      if (window_start) {
+        each_callback([&](auto& cb) { detail::callback_hook::on_before_zero_grad(cb, *this, module, optimizer); });
+        detail::module_hook::on_before_zero_grad(module, ctx, optimizer);
+        detail::zero_grad(optimizer);
+      }
+      const torch::Tensor scaled = k > 1 ? loss / static_cast<double>(k) : loss;
+      each_callback([&](auto& cb) { detail::callback_hook::on_before_backward(cb, *this, module, scaled); });
+      detail::module_hook::on_before_backward(module, ctx, scaled);
+      precision_.backward(scaled);
+      each_callback([&](auto& cb) { detail::callback_hook::on_after_backward(cb, *this, module); });
+      detail::module_hook::on_after_backward(module, ctx);
+
+      if (steps) {
+        precision_.unscale_gradients(optimizer);
+        each_callback([&](auto& cb) { detail::callback_hook::on_before_optimizer_step(cb, *this, module, optimizer); });
+        detail::module_hook::on_before_optimizer_step(module, ctx, optimizer);
+        clip_gradients();
+        precision_.optimizer_step(optimizer);
+        ++state_.global_step;
+        if (optim_.scheduler && optim_.interval == Interval::step && state_.global_step % optim_.frequency == 0) {
+          optim_.scheduler->step();
+        }
+      }
+    }
+
+    const torch::Tensor detached = loss.defined() ? loss.detach() : loss;
+    each_callback([&](auto& cb) { detail::callback_hook::on_train_batch_end(cb, *this, module, detached, batch, batch_idx); });
+    detail::module_hook::on_train_batch_end(module, ctx, detached, batch, batch_idx);
+    leave_batch();
+
+    publish_step(train_store_);
+    if constexpr (has_loggers()) {
+      if (steps && (state_.global_step % options_.log_every_n_steps == 0 || should_stop_)) {
+        send_to_loggers(pending_log_);
+      } else {
+        pending_log_.clear();
+      }
+    }
+
+    if constexpr (!std::is_same_v<VL, NoLoader>) {
+      if (should_check_val(batch_idx, is_last)) {
+        run_eval_loop(module, *val, Stage::validate, num_val_batches_);
+        module.train();
+        state_.stage = Stage::train;
+      }
+    }
+    ++total_batch_idx_;
+    if (max_steps_reached()) return false;
+    return !(should_stop_ && can_stop_early());
+  }
+
+  void clip_gradients() {
+    if (!options_.gradient_clip_val || *options_.gradient_clip_val <= 0.0) return;
+    if (options_.gradient_clip_algorithm == ClipAlgorithm::norm) {
+      torch::nn::utils::clip_grad_norm_(params_, *options_.gradient_clip_val);
+    } else {
+      torch::nn::utils::clip_grad_value_(params_, *options_.gradient_clip_val);
+    }
+  }
+
+  // ---- evaluation -------------------------------------------------------------------------------------
+
+  /// Runs validation (or the sanity check, or test) over `limit` batches of `loader`, hooks included.
+  template <class Impl, class L>
+  void run_eval_loop(Impl& module, L& loader, Stage stage, int64_t limit) {
+    const Stage previous = state_.stage;
+    state_.stage = stage;
+    eval_store_.clear();
+    num_eval_batches_ = limit;
+    Context ctx(state_, eval_store_);
+    const bool was_training = module.is_training();
+    module.eval();
+    {
+      detail::EvalGradGuard no_grad(options_.inference_mode);
+      if (stage == Stage::test) {
+        eval_hooks_test(module, ctx, loader, limit);
+      } else {
+        eval_hooks_validate(module, ctx, loader, limit, stage);
+      }
+    }
+    if (was_training) module.train();
+    state_.stage = previous;
+  }
+
+  template <class Impl, class L>
+  void eval_hooks_validate(Impl& module, Context& ctx, L& loader, int64_t limit, Stage stage) {
+    each_callback([&](auto& cb) { detail::callback_hook::on_validation_start(cb, *this, module); });
+    detail::module_hook::on_validation_start(module, ctx);
+    each_callback([&](auto& cb) { detail::callback_hook::on_validation_epoch_start(cb, *this, module); });
+    detail::module_hook::on_validation_epoch_start(module, ctx);
+    detail::for_each_batch(loader, limit, [&](auto&& batch, int64_t idx, bool) {
+      enter_batch(batch, idx);
+      each_callback([&](auto& cb) { detail::callback_hook::on_validation_batch_start(cb, *this, module, batch, idx); });
+      detail::module_hook::on_validation_batch_start(module, ctx, batch, idx);
+      auto out = run_step(batch, [&](auto& b) { return module.validation_step(b, ctx); });
+      each_callback([&](auto& cb) { detail::callback_hook::on_validation_batch_end(cb, *this, module, out, batch, idx); });
+      detail::module_hook::on_validation_batch_end(module, ctx, out, batch, idx);
+      leave_batch();
+      return true;
+    });
+    each_callback([&](auto& cb) { detail::callback_hook::on_validation_epoch_end(cb, *this, module); });
+    detail::module_hook::on_validation_epoch_end(module, ctx);
+    if (stage != Stage::sanity_check) {  // the sanity check's values are thrown away, as in Lightning
+      std::map<std::string, torch::Tensor> to_log;
+      publish_epoch(eval_store_, &to_log);
+      send_to_loggers(to_log);
+    }
+    each_callback([&](auto& cb) { detail::callback_hook::on_validation_end(cb, *this, module); });
+    detail::module_hook::on_validation_end(module, ctx);
+  }
+
+  template <class Impl, class L>
+  void eval_hooks_test(Impl& module, Context& ctx, L& loader, int64_t limit) {
+    if constexpr (requires(detail::batch_t<L>& b) { module.test_step(b, ctx); }) {
+      each_callback([&](auto& cb) { detail::callback_hook::on_test_start(cb, *this, module); });
+      detail::module_hook::on_test_start(module, ctx);
+      each_callback([&](auto& cb) { detail::callback_hook::on_test_epoch_start(cb, *this, module); });
+      detail::module_hook::on_test_epoch_start(module, ctx);
+      detail::for_each_batch(loader, limit, [&](auto&& batch, int64_t idx, bool) {
+        enter_batch(batch, idx);
+        each_callback([&](auto& cb) { detail::callback_hook::on_test_batch_start(cb, *this, module, batch, idx); });
+        detail::module_hook::on_test_batch_start(module, ctx, batch, idx);
+        auto out = run_step(batch, [&](auto& b) { return module.test_step(b, ctx); });
+        each_callback([&](auto& cb) { detail::callback_hook::on_test_batch_end(cb, *this, module, out, batch, idx); });
+        detail::module_hook::on_test_batch_end(module, ctx, out, batch, idx);
+        leave_batch();
+        return true;
+      });
+      each_callback([&](auto& cb) { detail::callback_hook::on_test_epoch_end(cb, *this, module); });
+      detail::module_hook::on_test_epoch_end(module, ctx);
+      std::map<std::string, torch::Tensor> to_log;
+      publish_epoch(eval_store_, &to_log);
+      send_to_loggers(to_log);
+      each_callback([&](auto& cb) { detail::callback_hook::on_test_end(cb, *this, module); });
+      detail::module_hook::on_test_end(module, ctx);
+    }
+  }
+
+  /// Runs an evaluation step under the precision's forward context; a void step yields an undefined tensor.
+  template <class B, class F>
+  auto run_step(B& batch, F&& step) {
+    return with_prepared(batch, [&](auto& b) {
+      auto guard = precision_.forward_context(A::device_type);
+      if constexpr (std::is_void_v<decltype(step(b))>) {
+        step(b);
+        return torch::Tensor();
+      } else {
+        return step(b);
+      }
+    });
+  }
+
+  /// A fresh loop state that keeps the epoch and step counters of earlier runs (as Lightning's Trainer).
+  void reset_state_keeping_progress() {
+    const int64_t epoch = state_.current_epoch, step = state_.global_step;
+    state_ = detail::LoopState{};
+    state_.current_epoch = epoch;
+    state_.global_step = step;
+  }
+
+  template <class Impl, class L>
+  std::map<std::string, double> run_standalone_eval(Impl& module, L& loader, Stage stage) {
+    reset_state_keeping_progress();
+    callback_metrics_.clear();
+    progress_bar_metrics_.clear();
+    logged_metrics_.clear();
+    setup_run(module);
+    decltype(auto) processed = strategy_.process_dataloader(loader, stage);
+    const Limit& limit = stage == Stage::test ? options_.limit_test_batches : options_.limit_val_batches;
+    const int64_t n = limit.resolve(detail::loader_size(processed), stage == Stage::test ? "limit_test_batches"
+                                                                                          : "limit_val_batches");
+    Context ctx(state_, eval_store_);
+    try {
+      each_callback([&](auto& cb) { detail::callback_hook::setup(cb, *this, module, stage); });
+      detail::module_hook::setup(module, ctx, stage);
+      run_eval_loop(module, processed, stage, n);
+      each_callback([&](auto& cb) { detail::callback_hook::teardown(cb, *this, module, stage); });
+      detail::module_hook::teardown(module, ctx, stage);
+    } catch (...) {
+      const std::exception_ptr error = std::current_exception();
+      each_callback([&](auto& cb) { detail::callback_hook::on_exception(cb, *this, module, error); });
+      leave_batch();
+      throw;
+    }
+    return callback_metric_values();
+  }
+
+  template <class R, class Impl, class L>
+  std::vector<R> run_predict(Impl& module, L& loader) {
+    reset_state_keeping_progress();
+    setup_run(module);
+    state_.stage = Stage::predict;
+    decltype(auto) processed = strategy_.process_dataloader(loader, Stage::predict);
+    const int64_t n = options_.limit_predict_batches.resolve(detail::loader_size(processed), "limit_predict_batches");
+    num_eval_batches_ = n;
+    Context ctx(state_, eval_store_);
+    std::vector<R> results;
+    if (n > 0) results.reserve(static_cast<std::size_t>(n));
+    const bool was_training = module.is_training();
+    module.eval();
+    {
+      detail::EvalGradGuard no_grad(options_.inference_mode);
+      each_callback([&](auto& cb) { detail::callback_hook::setup(cb, *this, module, Stage::predict); });
+      detail::module_hook::setup(module, ctx, Stage::predict);
+      each_callback([&](auto& cb) { detail::callback_hook::on_predict_start(cb, *this, module); });
+      detail::module_hook::on_predict_start(module, ctx);
+      each_callback([&](auto& cb) { detail::callback_hook::on_predict_epoch_start(cb, *this, module); });
+      detail::module_hook::on_predict_epoch_start(module, ctx);
+      detail::for_each_batch(processed, n, [&](auto&& batch, int64_t idx, bool) {
+        enter_batch(batch, idx);
+        each_callback([&](auto& cb) { detail::callback_hook::on_predict_batch_start(cb, *this, module, batch, idx); });
+        detail::module_hook::on_predict_batch_start(module, ctx, batch, idx);
+        results.push_back(run_step(batch, [&](auto& b) { return module.predict_step(b, ctx); }));
+        each_callback([&](auto& cb) { detail::callback_hook::on_predict_batch_end(cb, *this, module, results.back(), batch, idx); });
+        detail::module_hook::on_predict_batch_end(module, ctx, results.back(), batch, idx);
+        leave_batch();
+        return true;
+      });
+      each_callback([&](auto& cb) { detail::callback_hook::on_predict_epoch_end(cb, *this, module); });
+      detail::module_hook::on_predict_epoch_end(module, ctx);
+      each_callback([&](auto& cb) { detail::callback_hook::on_predict_end(cb, *this, module); });
+      detail::module_hook::on_predict_end(module, ctx);
+      each_callback([&](auto& cb) { detail::callback_hook::teardown(cb, *this, module, Stage::predict); });
+      detail::module_hook::teardown(module, ctx, Stage::predict);
+    }
+    if (was_training) module.train();
+    return results;
+  }
+
+  TrainerOptions options_;
+  std::tuple<Callbacks...> callbacks_;
+  S strategy_;
+  P precision_;
+
+  detail::LoopState state_;
+  detail::MetricStore train_store_;
+  detail::MetricStore eval_store_;
+  std::map<std::string, torch::Tensor> callback_metrics_;
+  std::map<std::string, torch::Tensor> progress_bar_metrics_;
+  std::map<std::string, torch::Tensor> logged_metrics_;
+  std::map<std::string, torch::Tensor> pending_log_;
+
+  OptimizerConfig optim_;
+  std::vector<torch::Tensor> params_;
+  int64_t max_epochs_ = 1000;
+  int64_t num_training_batches_ = -1;
+  int64_t num_val_batches_ = 0;
+  int64_t num_eval_batches_ = 0;
+  int64_t val_check_batch_ = -1;
+  int64_t total_batch_idx_ = 0;
+  bool should_stop_ = false;
+};
+
+/// Builds a Trainer whose callback pack is deduced from the arguments:
+/// `auto trainer = volt::make_trainer<volt::SingleDevice, volt::Bf16, volt::CPU>({.max_epochs = 3}, volt::ProgressBar{});`
+template <class S = SingleDevice, class P = Fp32, class A = CPU, class... Callbacks>
+Trainer<S, P, A, std::remove_cvref_t<Callbacks>...> make_trainer(TrainerOptions options = {}, Callbacks&&... callbacks) {
+  return Trainer<S, P, A, std::remove_cvref_t<Callbacks>...>(std::move(options), std::forward<Callbacks>(callbacks)...);
+}
+
+}  // namespace volt

@@ -45,6 +45,11 @@ namespace volt {
 /// When an LR scheduler is stepped.
 enum class Interval { epoch, step };
 
+/// Schedulers are LibTorch's `torch::optim::LRScheduler`s, stepped exactly where Lightning steps them (after the
+/// epoch, or after each optimizer step). Note LibTorch's own convention: its first `step()` only counts (PyTorch's
+/// constructor takes that step), so `StepLR(opt, 1, 0.5)` halves the rate from the second call on, as it would in a
+/// hand-written LibTorch loop.
+///
 /// What `configure_optimizers` returns: an optimizer and, optionally, an LR scheduler built on it.
 /// \code
 ///   volt::OptimizerConfig configure_optimizers() {

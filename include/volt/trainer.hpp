@@ -400,6 +400,7 @@ class Trainer {
         if constexpr (monitors_metrics<std::remove_cvref_t<decltype(c)>> == Monitors) f(c);
       };
       (one(cb), ...);
+      (void)one;  // unused when the pack is empty
     }, callbacks_);
   }
 
@@ -638,7 +639,7 @@ class Trainer {
     torch::optim::Optimizer& optimizer = *optim_.optimizer;
 
     torch::Tensor loss = with_prepared(batch, [&](auto& b) -> torch::Tensor {
-      auto guard = precision_.forward_context(A::device_type);
+      [[maybe_unused]] auto guard = precision_.forward_context(A::device_type);
       return module.training_step(b, ctx);
     });
 
@@ -785,7 +786,7 @@ class Trainer {
   template <class B, class F>
   auto run_step(B& batch, F&& step) {
     return with_prepared(batch, [&](auto& b) {
-      auto guard = precision_.forward_context(A::device_type);
+      [[maybe_unused]] auto guard = precision_.forward_context(A::device_type);
       if constexpr (std::is_void_v<decltype(step(b))>) {
         step(b);
         return torch::Tensor();

@@ -1,0 +1,573 @@
+// Integration tests: whole fit/validate/test/predict runs on CPU, each checked against an independent
+// reference (a hand-written LibTorch loop, hand-derived counts, or a known answer).
+
+#include "common.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+using Catch::Matchers::Contains;
+using vt::Regressor;
+
+namespace {
+
+volt::data::TensorLoader make_loader(const torch::Tensor& x, const torch::Tensor& y, int64_t bs, bool shuffle = false,
+                                     uint64_t seed = 0) {
+  return volt::data::TensorLoader(x, y, {.batch_size = bs, .shuffle = shuffle, .seed = seed});
+}
+
+/// The reference: a hand-written LibTorch loop, SGD over the loader's batches in order.
+void hand_loop(vt::RegressorImpl& m, const volt::data::TensorLoader& loader, int epochs) {
+  torch::optim::SGD opt(m.parameters(), torch::optim::SGDOptions(m.lr));
+  for (int e = 0; e < epochs; ++e) {
+    for (auto b : loader) {
+      opt.zero_grad();
+      vt::mse(m.forward(b.data), b.target).backward();
+      opt.step();
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Fp32 SingleDevice fit equals a hand-written LibTorch loop", "[trainer]") {
+  auto [x, y] = vt::regression_data(96);
+  auto loader = make_loader(x, y, 16);
+  Regressor a, b;
+  vt::copy_weights(*a, *b);
+  volt::Trainer<> trainer({.max_epochs = 3});
+  trainer.fit(a, loader);
+  hand_loop(*b, loader, 3);
+  CHECK(trainer.global_step() == 18);
+  CHECK(trainer.current_epoch() == 3);
+  CHECK(torch::allclose(vt::flat_params(*a), vt::flat_params(*b), 1e-6, 1e-7));
+}
+
+namespace {
+template <class P>
+double final_loss_after_fit() {
+  auto [x, y] = vt::regression_data(128);
+  auto loader = make_loader(x, y, 32, /*shuffle=*/true, 3);
+  Regressor m(0.05);
+  const double before = vt::mse(m->forward(x), y).item<double>();
+  volt::Trainer<volt::SingleDevice, P, volt::CPU> trainer({.max_epochs = 5, .seed = 1});
+  trainer.fit(m, loader);
+  // Measured in float64 outside the trainer, whatever dtype the module ended in.
+  torch::NoGradGuard g;
+  auto pred = m->forward(x.to(m->lin->weight.scalar_type())).to(torch::kFloat64);
+  const double after = vt::mse(pred, y.to(torch::kFloat64)).item<double>();
+  INFO(P::name << ": loss before " << before << ", after " << after);
+  CHECK(after < 0.25 * before);
+  return after;
+}
+}  // namespace
+
+TEST_CASE("every precision that runs on CPU trains to a lower loss", "[trainer]") {
+  SECTION("Fp32") { final_loss_after_fit<volt::Fp32>(); }
+  SECTION("Fp64True") { final_loss_after_fit<volt::Fp64True>(); }
+  SECTION("Bf16Mixed") { final_loss_after_fit<volt::Bf16Mixed>(); }
+  SECTION("Bf16True") { final_loss_after_fit<volt::Bf16True>(); }
+}
+
+TEST_CASE("precisions put the module and the math in their dtypes", "[trainer]") {
+  auto [x, y] = vt::regression_data(32);
+  auto loader = make_loader(x, y, 16);
+  struct Probe : vt::RegressorImpl {
+    torch::Dtype seen_input = torch::kFloat32, seen_output = torch::kFloat32;
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+      seen_input = b.data.scalar_type();
+      auto out = forward(b.data);
+      seen_output = out.scalar_type();
+      return vt::mse(out.to(torch::kFloat32), b.target.to(torch::kFloat32));
+    }
+  };
+  SECTION("Fp64True: double module and inputs") {
+    Probe m;
+    volt::Trainer<volt::SingleDevice, volt::Fp64True> t({.max_epochs = 1});
+    t.fit(m, loader);
+    CHECK(m.lin->weight.scalar_type() == torch::kFloat64);
+    CHECK(m.seen_input == torch::kFloat64);
+  }
+  SECTION("Bf16Mixed: float32 weights, bfloat16 matmuls under autocast") {
+    Probe m;
+    volt::Trainer<volt::SingleDevice, volt::Bf16> t({.max_epochs = 1});
+    t.fit(m, loader);
+    CHECK(m.lin->weight.scalar_type() == torch::kFloat32);
+    CHECK(m.seen_input == torch::kFloat32);
+    CHECK(m.seen_output == torch::kBFloat16);
+    CHECK_FALSE(volt::detail::autocast_enabled(c10::DeviceType::CPU));  // the guard restored it
+  }
+  SECTION("Bf16True: bfloat16 module and inputs") {
+    Probe m;
+    volt::Trainer<volt::SingleDevice, volt::Bf16True> t({.max_epochs = 1});
+    t.fit(m, loader);
+    CHECK(m.lin->weight.scalar_type() == torch::kBFloat16);
+    CHECK(m.seen_input == torch::kBFloat16);
+    CHECK(c10::get_default_dtype() == caffe2::TypeMeta::Make<float>());  // restored after each step
+  }
+}
+
+TEST_CASE("accumulating k batches equals one batch k times larger", "[trainer]") {
+  auto [x, y] = vt::regression_data(120);
+  for (int64_t k : {2, 3, 4}) {
+    Regressor acc, big;
+    vt::copy_weights(*acc, *big);
+    auto small = make_loader(x, y, 10);
+    auto large = make_loader(x, y, 10 * k);
+    volt::Trainer<> t({.max_epochs = 2, .accumulate_grad_batches = k});
+    t.fit(acc, small);
+    hand_loop(*big, large, 2);
+    INFO("k=" << k);
+    // 120 samples: 12 small batches, ceil(12 / k) optimizer steps per epoch
+    CHECK(t.global_step() == 2 * ((12 + k - 1) / k));
+    CHECK(torch::allclose(vt::flat_params(*acc), vt::flat_params(*big), 1e-5, 1e-6));
+  }
+}
+
+TEST_CASE("accumulation also works through an unsized torch::data loader", "[trainer]") {
+  // 10 batches of 8 with k=4: steps after batches 4, 8 and the last (10), as Lightning steps on the epoch's last batch.
+  auto [x, y] = vt::regression_data(80);
+  std::vector<torch::data::Example<>> batches;
+  for (int64_t i = 0; i < 10; ++i) batches.push_back({x.narrow(0, i * 8, 8), y.narrow(0, i * 8, 8)});
+  struct Unsized {  // only begin/end: the Trainer must read ahead to find the last batch
+    std::vector<torch::data::Example<>>* v;
+    auto begin() { return v->begin(); }
+    auto end() { return v->end(); }
+  } loader{&batches};
+  Regressor m;
+  volt::Trainer<> t({.max_epochs = 1, .accumulate_grad_batches = 4});
+  t.fit(m, loader);
+  CHECK(t.global_step() == 3);
+  CHECK(t.num_training_batches() == -1);
+}
+
+TEST_CASE("gradient clipping bounds the applied gradient", "[trainer]") {
+  auto [x, y] = vt::regression_data(64);
+  y = y * 100.0;  // large residuals: large gradients
+  auto loader = make_loader(x, y, 64);
+  SECTION("by norm: the update equals lr times the gradient rescaled to the clip norm") {
+    Regressor m(1.0), ref(1.0);
+    vt::copy_weights(*m, *ref);
+    volt::Trainer<> t({.max_steps = 1, .gradient_clip_val = 0.5});
+    t.fit(m, loader);
+    // reference by hand
+    auto loss = vt::mse(ref->forward(x), y);
+    loss.backward();
+    double norm2 = 0;
+    for (auto& p : ref->parameters()) norm2 += p.grad().pow(2).sum().item<double>();
+    const double norm = std::sqrt(norm2);
+    REQUIRE(norm > 0.5);
+    torch::Tensor update = vt::flat_params(*ref) - vt::flat_params(*m);  // = lr * clipped grad
+    CHECK(update.norm().item<double>() == Approx(0.5).epsilon(1e-4));
+    std::vector<torch::Tensor> g;
+    for (auto& p : ref->parameters()) g.push_back(p.grad().to(torch::kFloat64).flatten());
+    CHECK(torch::allclose(update, torch::cat(g) * (0.5 / (norm + 1e-6)), 1e-4, 1e-6));
+  }
+  SECTION("by value: every component of the update is at most the clip value") {
+    Regressor m(1.0), ref(1.0);
+    vt::copy_weights(*m, *ref);
+    volt::Trainer<> t({.max_steps = 1, .gradient_clip_val = 0.25, .gradient_clip_algorithm = volt::ClipAlgorithm::value});
+    t.fit(m, loader);
+    torch::Tensor update = vt::flat_params(*ref) - vt::flat_params(*m);
+    CHECK(update.abs().max().item<double>() <= 0.25 + 1e-7);
+    CHECK(update.abs().max().item<double>() == Approx(0.25));
+  }
+}
+
+namespace {
+struct Counts {
+  int64_t train_batches, val_runs, val_batches, sanity_batches, steps, epochs;
+};
+Counts run_counts(volt::TrainerOptions o, int64_t n_train_batches, int64_t n_val_batches) {
+  auto [x, y] = vt::regression_data(n_train_batches * 4);
+  auto [vx, vy] = vt::regression_data(n_val_batches * 4, 9);
+  auto train = make_loader(x, y, 4);
+  auto val = make_loader(vx, vy, 4);
+  Regressor m;
+  volt::Trainer<volt::SingleDevice, volt::Fp32, volt::CPU, vt::Recorder> t(o, vt::Recorder{nullptr});
+  t.fit(m, train, val);
+  auto& r = t.callback<vt::Recorder>();
+  return {r.train_batches, r.val_runs, r.val_batches, r.sanity_batches, t.global_step(), r.train_epochs};
+}
+}  // namespace
+
+TEST_CASE("limits, val_check_interval and max_steps give the expected numbers of steps and validations",
+          "[trainer]") {
+  SECTION("defaults: every batch, one validation per epoch, 2 sanity batches") {
+    auto c = run_counts({.max_epochs = 2}, 10, 5);
+    CHECK(c.train_batches == 20);
+    CHECK(c.steps == 20);
+    CHECK(c.val_runs == 2);
+    CHECK(c.val_batches == 10);
+    CHECK(c.sanity_batches == 2);
+  }
+  SECTION("limit fractions and counts") {
+    auto c = run_counts({.max_epochs = 2, .limit_train_batches = 0.5, .limit_val_batches = 3, .num_sanity_val_steps = -1},
+                        10, 5);
+    CHECK(c.train_batches == 10);
+    CHECK(c.val_runs == 2);
+    CHECK(c.val_batches == 6);
+    CHECK(c.sanity_batches == 3);  // -1: the whole (limited) validation loader
+  }
+  SECTION("val_check_interval as a fraction: int(8 * 0.25) = every 2 batches") {
+    auto c = run_counts({.max_epochs = 1, .val_check_interval = 0.25, .num_sanity_val_steps = 0}, 8, 2);
+    CHECK(c.val_runs == 4);
+    CHECK(c.sanity_batches == 0);
+  }
+  SECTION("val_check_interval as a count: batches 3, 6 and 9 of 10") {
+    auto c = run_counts({.max_epochs = 2, .val_check_interval = 3}, 10, 2);
+    CHECK(c.val_runs == 6);
+  }
+  SECTION("val_check_interval counted across epochs when check_val_every_n_epoch is unset") {
+    // 6 batches x 2 epochs = 12 batches; validation after total batches 4, 8, 12.
+    auto c = run_counts({.max_epochs = 2, .val_check_interval = 4, .check_val_every_n_epoch = std::nullopt}, 6, 2);
+    CHECK(c.val_runs == 3);
+  }
+  SECTION("check_val_every_n_epoch") {
+    auto c = run_counts({.max_epochs = 5, .check_val_every_n_epoch = 2}, 3, 2);
+    CHECK(c.val_runs == 2);  // after epochs 1 and 3 (0-based)
+  }
+  SECTION("max_steps ends the run mid-epoch, before that epoch's validation") {
+    auto c = run_counts({.max_epochs = 5, .max_steps = 7}, 10, 2);
+    CHECK(c.steps == 7);
+    CHECK(c.train_batches == 7);
+    CHECK(c.epochs == 1);
+    CHECK(c.val_runs == 0);
+  }
+  SECTION("max_steps counts optimizer steps, not batches, under accumulation") {
+    auto c = run_counts({.max_epochs = 5, .max_steps = 5, .accumulate_grad_batches = 3}, 10, 2);
+    // 4 steps per epoch (after batches 3, 6, 9, 10): the fifth step is the third batch of epoch 1.
+    CHECK(c.steps == 5);
+    CHECK(c.train_batches == 13);
+  }
+  SECTION("max_epochs unset with max_steps: steps decide") {
+    auto c = run_counts({.max_steps = 25}, 10, 2);
+    CHECK(c.steps == 25);
+    CHECK(c.epochs == 3);
+  }
+  SECTION("fast_dev_run=2: 2 training and 2 validation batches once, no sanity check") {
+    auto c = run_counts({.max_epochs = 10, .fast_dev_run = 2}, 10, 5);
+    CHECK(c.train_batches == 2);
+    CHECK(c.steps == 2);
+    CHECK(c.val_batches == 2);
+    CHECK(c.val_runs == 1);
+    CHECK(c.sanity_batches == 0);
+  }
+  SECTION("limit_train_batches=0 skips training") {
+    auto c = run_counts({.max_epochs = 3, .limit_train_batches = 0}, 10, 2);
+    CHECK(c.train_batches == 0);
+    CHECK(c.steps == 0);
+  }
+  SECTION("an integer val_check_interval larger than the epoch is an error naming both numbers") {
+    CHECK_THROWS_WITH(run_counts({.max_epochs = 1, .val_check_interval = 20}, 10, 2),
+                      Contains("val_check_interval=20") && Contains("(10)"));
+  }
+}
+
+TEST_CASE("two deterministic runs with one seed end with bit-identical weights", "[trainer]") {
+  auto [x, y] = vt::regression_data(256);
+  auto run = [&](uint64_t seed) {
+    struct Net : torch::nn::Module {  // dropout: the run consumes the global generator
+      torch::nn::Linear a{nullptr}, b{nullptr};
+      torch::nn::Dropout drop{0.2};
+      Net() {
+        a = register_module("a", torch::nn::Linear(4, 32));
+        b = register_module("b", torch::nn::Linear(32, 1));
+        register_module("drop", drop);
+      }
+      torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context&) {
+        return vt::mse(b(drop(torch::relu(a(batch.data)))), batch.target);
+      }
+      torch::optim::Adam configure_optimizers() { return torch::optim::Adam(parameters(), 1e-2); }
+    };
+    torch::manual_seed(seed);
+    Net net;
+    auto loader = make_loader(x, y, 32, /*shuffle=*/true, seed);
+    volt::Trainer<> t({.max_epochs = 3, .deterministic = true, .seed = seed});
+    t.fit(net, loader);
+    return vt::flat_params(net);
+  };
+  const auto first = run(123), second = run(123), other = run(124);
+  CHECK(torch::equal(first, second));
+  CHECK_FALSE(torch::equal(first, other));
+}
+
+TEST_CASE("hooks and callbacks fire in Lightning's order", "[trainer]") {
+  std::vector<std::string> log;
+  struct Hooked : vt::RegressorImpl {
+    std::vector<std::string>* log = nullptr;
+    void add(const std::string& s) { log->push_back("m:" + s); }
+    void setup(volt::Stage) { add("setup"); }
+    void teardown(volt::Stage) { add("teardown"); }
+    void on_fit_start() { add("on_fit_start"); }
+    void on_fit_end() { add("on_fit_end"); }
+    void on_train_start() { add("on_train_start"); }
+    void on_train_end() { add("on_train_end"); }
+    void on_train_epoch_start() { add("on_train_epoch_start"); }
+    void on_train_epoch_end(volt::Context&) { add("on_train_epoch_end"); }
+    void on_train_batch_start(const torch::data::Example<>&, int64_t) { add("on_train_batch_start"); }
+    void on_train_batch_end(const torch::Tensor&, const torch::data::Example<>&, int64_t) { add("on_train_batch_end"); }
+    void on_validation_start() { add("on_validation_start"); }
+    void on_validation_end() { add("on_validation_end"); }
+    void on_validation_epoch_start() { add("on_validation_epoch_start"); }
+    void on_validation_epoch_end() { add("on_validation_epoch_end"); }
+    void on_validation_batch_start(const torch::data::Example<>&, int64_t) { add("on_validation_batch_start"); }
+    void on_validation_batch_end(const torch::Tensor&, const torch::data::Example<>&, int64_t) {
+      add("on_validation_batch_end");
+    }
+    void on_before_zero_grad(torch::optim::Optimizer&) { add("on_before_zero_grad"); }
+    void on_before_backward(const torch::Tensor&) { add("on_before_backward"); }
+    void on_after_backward() { add("on_after_backward"); }
+    void on_before_optimizer_step(torch::optim::Optimizer&) { add("on_before_optimizer_step"); }
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      add("training_step");
+      return vt::RegressorImpl::training_step(b, ctx);
+    }
+    void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      add("validation_step");
+      vt::RegressorImpl::validation_step(b, ctx);
+    }
+    torch::optim::SGD configure_optimizers() {
+      add("configure_optimizers");
+      return vt::RegressorImpl::configure_optimizers();
+    }
+  } m;
+  m.log = &log;
+  auto [x, y] = vt::regression_data(8);
+  auto train = make_loader(x, y, 4);
+  auto val = make_loader(x, y, 8);
+  volt::Trainer<volt::SingleDevice, volt::Fp32, volt::CPU, vt::Recorder> t({.max_epochs = 1, .num_sanity_val_steps = 1},
+                                                                           vt::Recorder{&log});
+  t.fit(m, train, val);
+
+  // Lightning 2.x's order (its tests/tests_pytorch/models/test_hooks.py), callbacks before the module.
+  auto both = [](std::vector<std::string>& v, const std::string& h) {
+    v.push_back("cb:" + h);
+    v.push_back("m:" + h);
+  };
+  std::vector<std::string> want{"m:setup", "m:configure_optimizers"};
+  both(want, "on_fit_start");
+  want.push_back("cb:on_sanity_check_start");
+  auto validation = [&](int batches) {
+    both(want, "on_validation_start");
+    both(want, "on_validation_epoch_start");
+    for (int i = 0; i < batches; ++i) {
+      both(want, "on_validation_batch_start");
+      want.push_back("m:validation_step");
+      both(want, "on_validation_batch_end");
+    }
+    both(want, "on_validation_epoch_end");
+    both(want, "on_validation_end");
+  };
+  validation(1);
+  want.push_back("cb:on_sanity_check_end");
+  both(want, "on_train_start");
+  both(want, "on_train_epoch_start");
+  for (int i = 0; i < 2; ++i) {
+    both(want, "on_train_batch_start");
+    want.push_back("m:training_step");
+    both(want, "on_before_zero_grad");
+    both(want, "on_before_backward");
+    both(want, "on_after_backward");
+    both(want, "on_before_optimizer_step");
+    both(want, "on_train_batch_end");
+  }
+  validation(1);
+  both(want, "on_train_epoch_end");
+  both(want, "on_train_end");
+  both(want, "on_fit_end");
+  want.push_back("m:teardown");
+  CHECK(log == want);
+}
+
+TEST_CASE("epoch values are batch-size weighted means; step values are the last step's", "[trainer]") {
+  // 10 samples in batches of 4, 4, 2; the logged value of a batch is the mean of its targets.
+  auto x = torch::zeros({10, 4});
+  auto y = torch::arange(10, torch::kFloat32).unsqueeze(1);
+  auto loader = make_loader(x, y, 4);
+  struct Logs : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      ctx.log("v", b.target.mean(), {.on_step = true, .on_epoch = true});
+      ctx.log("mx", b.target.max(), {.on_step = false, .on_epoch = true, .reduce = volt::Reduce::max});
+      return vt::mse(forward(b.data), b.target);
+    }
+  } m;
+  volt::Trainer<> t({.max_epochs = 1});
+  t.fit(m, loader);
+  const auto metrics = t.callback_metric_values();
+  CHECK(metrics.at("v_epoch") == Approx(4.5));           // (1.5*4 + 5.5*4 + 8.5*2) / 10
+  CHECK(metrics.at("v_step") == Approx(8.5));            // the last batch's
+  CHECK(metrics.at("mx") == Approx(9.0));
+  CHECK(metrics.count("v") == 0);
+}
+
+TEST_CASE("validate, test and predict run without autograd and return their results", "[trainer]") {
+  auto [x, y] = vt::regression_data(40);
+  auto loader = make_loader(x, y, 8);
+  Regressor m;
+  volt::Trainer<> t({.limit_test_batches = 3});
+  const auto val = t.validate(m, loader);
+  const double want = vt::mse(m->forward(x), y).item<double>();  // all batches equal size: mean of means
+  CHECK(val.at("val_loss") == Approx(want).epsilon(1e-5));
+  const auto test = t.test(m, loader);
+  const double want3 = vt::mse(m->forward(x.narrow(0, 0, 24)), y.narrow(0, 0, 24)).item<double>();
+  CHECK(test.at("test_loss") == Approx(want3).epsilon(1e-5));
+  const auto preds = t.predict(m, loader);
+  REQUIRE(preds.size() == 5);
+  CHECK(torch::allclose(torch::cat(preds), m->forward(x).detach()));
+  CHECK_FALSE(preds[0].requires_grad());
+  CHECK(m->is_training());  // mode restored
+}
+
+TEST_CASE("EarlyStopping stops after patience checks without improvement", "[trainer][callbacks]") {
+  struct Scripted : vt::RegressorImpl {
+    std::vector<double> values{1.0, 0.9, 0.95, 0.96, 0.97, 0.5, 0.4};
+    int64_t epoch = 0;
+    void validation_step(const torch::data::Example<>&, volt::Context& ctx) {
+      ctx.log("score", values[static_cast<std::size_t>(ctx.current_epoch())]);
+    }
+  } m;
+  auto [x, y] = vt::regression_data(16);
+  auto loader = make_loader(x, y, 8);
+  auto t = volt::make_trainer({.max_epochs = 7, .num_sanity_val_steps = 0},
+                              volt::EarlyStopping({.monitor = "score", .patience = 2}));
+  t.fit(m, loader, loader);
+  // checks: 1.0 best, 0.9 best, 0.95 wait 1, 0.96 wait 2 -> stop after epoch 3
+  CHECK(t.current_epoch() == 4);
+  CHECK(t.callback<volt::EarlyStopping>().stopped_epoch() == 3);
+  CHECK(t.callback<volt::EarlyStopping>().best_score() == Approx(0.9));
+
+  SECTION("a missing monitored metric is an error naming it and what was logged") {
+    auto t2 = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
+                                 volt::EarlyStopping({.monitor = "nope"}));
+    Scripted m2;
+    CHECK_THROWS_WITH(t2.fit(m2, loader, loader), Contains("\"nope\"") && Contains("score"));
+  }
+  SECTION("min_epochs holds the stop back") {
+    Scripted m3;
+    auto t3 = volt::make_trainer({.max_epochs = 7, .min_epochs = 6, .num_sanity_val_steps = 0},
+                                 volt::EarlyStopping({.monitor = "score", .patience = 2}));
+    t3.fit(m3, loader, loader);
+    CHECK(t3.current_epoch() == 6);
+  }
+}
+
+TEST_CASE("LR schedulers step per epoch or per step; LearningRateMonitor and CSVLogger record them", "[trainer][callbacks]") {
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_test_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  struct Sched : vt::RegressorImpl {
+    volt::Interval interval = volt::Interval::epoch;
+    volt::OptimizerConfig configure_optimizers() {
+      auto opt = std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.08));
+      return {.optimizer = opt, .scheduler = std::make_shared<torch::optim::StepLR>(*opt, 1, 0.5), .interval = interval};
+    }
+  };
+  auto [x, y] = vt::regression_data(32);
+  auto loader = make_loader(x, y, 8);  // 4 batches
+  SECTION("per epoch") {
+    Sched m;
+    auto t = volt::make_trainer({.max_epochs = 3, .log_every_n_steps = 2, .default_root_dir = dir.string()},
+                                volt::LearningRateMonitor{}, volt::CSVLogger{});
+    t.fit(m, loader);
+    // LibTorch's StepLR counts its first step() as step 0 (PyTorch's constructor takes that step), so 3 epoch-end
+    // steps decay twice: 0.08 -> 0.08 -> 0.04 -> 0.02, as the same scheduler in a hand-written LibTorch loop.
+    CHECK(t.optimizer()->param_groups()[0].options().get_lr() == Approx(0.02));
+    CHECK(*t.callback<volt::LearningRateMonitor>().last_lr() == Approx(0.04));  // recorded at the start of epoch 2
+    const auto file = t.callback<volt::CSVLogger>().metrics_file();
+    REQUIRE(std::filesystem::exists(file));
+    std::ifstream f(file);
+    std::string header;
+    std::getline(f, header);
+    CHECK_THAT(header, Contains("train_loss") && Contains("lr-SGD") && Contains("epoch") && Contains("step"));
+    int rows = 0;
+    for (std::string line; std::getline(f, line);) ++rows;
+    CHECK(rows == 3 + 6);  // 3 LR records + 12 steps / log_every_n_steps=2
+  }
+  SECTION("per step") {
+    Sched m;
+    m.interval = volt::Interval::step;
+    volt::Trainer<> t({.max_epochs = 1});
+    t.fit(m, loader);
+    CHECK(t.optimizer()->param_groups()[0].options().get_lr() == Approx(0.08 / 8));  // 4 steps, 3 decays (see above)
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("ProgressBar draws step/total and metrics on rank zero", "[trainer][callbacks]") {
+  std::ostringstream out;
+  auto [x, y] = vt::regression_data(40);
+  auto loader = make_loader(x, y, 4);
+  struct Bar : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      auto loss = vt::mse(forward(b.data), b.target);
+      ctx.log("loss", loss, {.prog_bar = true});
+      return loss;
+    }
+  } m;
+  auto t = volt::make_trainer({.max_epochs = 1}, volt::ProgressBar({.out = &out, .plain = true}));
+  t.fit(m, loader);
+  const std::string text = out.str();
+  CHECK_THAT(text, Contains("Epoch 0/0") && Contains("10/10") && Contains("it/s") && Contains("loss="));
+}
+
+TEST_CASE("run-time settings are checked before anything runs", "[trainer][config]") {
+  using T = volt::Trainer<>;
+  CHECK_THROWS_WITH(T({.max_epochs = -2}), Contains("max_epochs=-2") && Contains("-1"));
+  CHECK_THROWS_WITH(T({.max_steps = -5}), Contains("max_steps=-5"));
+  CHECK_THROWS_WITH(T({.accumulate_grad_batches = 0}), Contains("accumulate_grad_batches=0") && Contains("1"));
+  CHECK_THROWS_WITH(T({.limit_train_batches = 1.5}), Contains("limit_train_batches=1.5") && Contains("[0, 1.0]"));
+  CHECK_THROWS_WITH(T({.limit_val_batches = -3}), Contains("limit_val_batches=-3"));
+  CHECK_THROWS_WITH(T({.val_check_interval = 0.0}), Contains("val_check_interval=0"));
+  CHECK_THROWS_WITH(T({.gradient_clip_val = -1.0}), Contains("gradient_clip_val=-1") && Contains(">= 0"));
+  CHECK_THROWS_WITH(T({.num_sanity_val_steps = -2}), Contains("num_sanity_val_steps=-2"));
+  CHECK_THROWS_WITH(T({.check_val_every_n_epoch = 0}), Contains("check_val_every_n_epoch=0"));
+  CHECK_THROWS_WITH(T({.devices = 2}), Contains("devices=2") && Contains("DDP"));
+  CHECK_THROWS_WITH(T({.devices = 0}), Contains("devices=0"));
+  CHECK_THROWS_AS(T({.max_epochs = -2}), volt::ConfigError);
+  CHECK_NOTHROW(T({.max_epochs = -1, .max_steps = 10, .limit_train_batches = 0.25}));
+  if (!torch::cuda::is_available()) {
+    using G = volt::Trainer<volt::SingleDevice, volt::Fp32, volt::GPU>;
+    CHECK_THROWS_WITH(G(volt::TrainerOptions{}), Contains("GPU requested (devices=1)") && Contains("device_count() is 0"));
+  }
+  SECTION("a fraction limit on a loader without size() says so") {
+    std::vector<torch::data::Example<>> batches{{torch::zeros({2, 4}), torch::zeros({2, 1})}};
+    struct Unsized {
+      std::vector<torch::data::Example<>>* v;
+      auto begin() { return v->begin(); }
+      auto end() { return v->end(); }
+    } loader{&batches};
+    Regressor m;
+    T t({.max_epochs = 1, .limit_train_batches = 0.5});
+    CHECK_THROWS_WITH(t.fit(m, loader), Contains("limit_train_batches=0.5") && Contains("no size()"));
+  }
+  SECTION("a fraction that rounds to no batch says so") {
+    auto [x, y] = vt::regression_data(8);
+    auto loader = make_loader(x, y, 4);
+    Regressor m;
+    T t({.max_epochs = 1, .limit_train_batches = 0.1});
+    CHECK_THROWS_WITH(t.fit(m, loader), Contains("less than one batch"));
+  }
+}
+
+namespace {
+struct SeenException {
+  bool* seen;
+  void on_exception(auto&, auto&, std::exception_ptr) { *seen = true; }
+};
+}  // namespace
+
+TEST_CASE("a training step's exception reaches the caller and callbacks' on_exception", "[trainer]") {
+  struct Boom : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>&, volt::Context& ctx) {
+      if (ctx.batch_idx() == 2) throw std::runtime_error("boom at batch 2");
+      return torch::zeros({}, torch::requires_grad());
+    }
+  } m;
+  bool seen = false;
+  auto [x, y] = vt::regression_data(32);
+  auto loader = make_loader(x, y, 4);
+  auto t = volt::make_trainer({.max_epochs = 1}, SeenException{&seen});
+  CHECK_THROWS_WITH(t.fit(m, loader), "boom at batch 2");
+  CHECK(seen);
+}

@@ -1,0 +1,213 @@
+// Unit tests of the policies and helpers on their own, on CPU tensors.
+
+#include "common.hpp"
+
+using Catch::Matchers::Contains;
+
+// ---- concept truth tables ------------------------------------------------------------------------------
+
+namespace {
+struct MyFp16Cpu : volt::CPU {  // a user's accelerator claiming float16 autocast
+  static constexpr bool has_fp16_autocast = true;
+};
+}  // namespace
+
+TEST_CASE("each shipped policy models its kind and no other", "[unit]") {
+  STATIC_REQUIRE(volt::Accelerator<volt::CPU>);
+  STATIC_REQUIRE(volt::Accelerator<volt::GPU>);
+  STATIC_REQUIRE(volt::Precision<volt::Fp32>);
+  STATIC_REQUIRE(volt::Precision<volt::Fp64True>);
+  STATIC_REQUIRE(volt::Precision<volt::Bf16Mixed>);
+  STATIC_REQUIRE(volt::Precision<volt::Fp16Mixed>);
+  STATIC_REQUIRE(volt::Precision<volt::Bf16True>);
+  STATIC_REQUIRE(volt::Strategy<volt::SingleDevice>);
+  STATIC_REQUIRE_FALSE(volt::Strategy<volt::Fp32>);
+  STATIC_REQUIRE_FALSE(volt::Precision<volt::CPU>);
+  STATIC_REQUIRE_FALSE(volt::Accelerator<volt::SingleDevice>);
+  STATIC_REQUIRE_FALSE(volt::Accelerator<int>);
+  STATIC_REQUIRE(std::is_same_v<volt::Bf16, volt::Bf16Mixed>);
+  STATIC_REQUIRE(std::is_same_v<volt::Fp16, volt::Fp16Mixed>);
+  // the compatibility rules read capability flags
+  STATIC_REQUIRE_FALSE(volt::Fp16AutocastAvailable<volt::Fp16Mixed, volt::CPU>);
+  STATIC_REQUIRE(volt::Fp16AutocastAvailable<volt::Fp16Mixed, volt::GPU>);
+  STATIC_REQUIRE(volt::Bf16AutocastAvailable<volt::Bf16Mixed, volt::CPU>);
+  STATIC_REQUIRE(volt::Fp16AutocastAvailable<volt::Fp32, volt::CPU>);
+  // a user's own accelerator takes part on equal terms
+  STATIC_REQUIRE(volt::Fp16AutocastAvailable<volt::Fp16Mixed, MyFp16Cpu>);
+  // modules
+  STATIC_REQUIRE(volt::Module<vt::Regressor>);
+  STATIC_REQUIRE(volt::Module<vt::RegressorImpl>);
+  STATIC_REQUIRE(volt::TrainableOn<vt::Regressor, torch::data::Example<>>);
+  STATIC_REQUIRE_FALSE(volt::TrainableOn<vt::Regressor, torch::Tensor>);
+  STATIC_REQUIRE_FALSE(volt::Module<torch::nn::LinearImpl>);
+}
+
+// ---- GradScaler -------------------------------------------------------------------------------------------
+
+namespace {
+struct OneParam {
+  torch::Tensor w = torch::ones({3}, torch::requires_grad());
+  torch::optim::SGD opt{std::vector<torch::Tensor>{w}, torch::optim::SGDOptions(0.1)};
+};
+}  // namespace
+
+TEST_CASE("GradScaler scales the loss and unscales gradients exactly", "[unit][scaler]") {
+  OneParam p;
+  volt::GradScaler scaler;
+  auto loss = (p.w * torch::tensor({1.0f, 2.0f, 3.0f})).sum();
+  auto scaled = scaler.scale(loss);
+  CHECK(scaled.item<float>() == Approx(6.0f * 65536.0f));
+  scaled.backward();
+  CHECK(torch::equal(p.w.grad(), torch::tensor({1.0f, 2.0f, 3.0f}) * 65536.0f));
+  scaler.unscale_(p.opt);
+  CHECK(torch::equal(p.w.grad(), torch::tensor({1.0f, 2.0f, 3.0f})));
+  CHECK(scaler.step(p.opt));
+  CHECK(torch::allclose(p.w.detach(), torch::tensor({0.9f, 0.8f, 0.7f})));
+  scaler.update();
+  CHECK(scaler.get_scale() == 65536.0);
+  CHECK(scaler.growth_tracker() == 1);
+  CHECK_THROWS_WITH(([&] { scaler.unscale_(p.opt); scaler.unscale_(p.opt); }()), Contains("twice"));
+}
+
+TEST_CASE("GradScaler skips a step with inf/NaN gradients, backs off, grows, and keeps training", "[unit][scaler]") {
+  OneParam p;
+  volt::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 2});
+  auto step_with = [&](const torch::Tensor& g) {
+    p.opt.zero_grad();
+    scaler.scale((p.w * g).sum()).backward();
+    const bool stepped = scaler.step(p.opt);
+    scaler.update();
+    return stepped;
+  };
+  const auto before = p.w.detach().clone();
+  SECTION("inf") { CHECK_FALSE(step_with(torch::tensor({1.0f, std::numeric_limits<float>::infinity(), 1.0f}))); }
+  SECTION("NaN") { CHECK_FALSE(step_with(torch::tensor({1.0f, std::nanf(""), 1.0f}))); }
+  CHECK(torch::equal(p.w.detach(), before));  // skipped: weights untouched
+  CHECK(scaler.get_scale() == 512.0);          // backed off by 0.5
+  CHECK(scaler.growth_tracker() == 0);
+  CHECK(scaler.last_step_skipped());
+  // Training goes on: the next two clean steps apply SGD exactly (scale is a power of two) ...
+  CHECK(step_with(torch::tensor({1.0f, 1.0f, 1.0f})));
+  CHECK(scaler.get_scale() == 512.0);
+  CHECK(step_with(torch::tensor({1.0f, 1.0f, 1.0f})));
+  CHECK(torch::allclose(p.w.detach(), before - 0.2f));
+  // ... and growth_interval=2 clean steps double the scale.
+  CHECK(scaler.get_scale() == 1024.0);
+  CHECK(scaler.growth_tracker() == 0);
+}
+
+TEST_CASE("GradScaler's state round-trips and bad options are refused", "[unit][scaler]") {
+  OneParam p;
+  volt::GradScaler a({.init_scale = 256.0, .growth_interval = 5});
+  a.scale((p.w * 2).sum()).backward();
+  a.step(p.opt);
+  a.update();
+  volt::GradScaler b;
+  b.load_state_dict(a.state_dict());
+  CHECK(b.get_scale() == 256.0);
+  CHECK(b.growth_tracker() == 1);
+  CHECK(b.options().growth_interval == 5);
+  CHECK_THROWS_WITH(b.load_state_dict({{"scale", 2.0}}), Contains("growth_factor"));
+  CHECK_THROWS_WITH(volt::GradScaler({.init_scale = 0.0}), Contains("init_scale=0"));
+  CHECK_THROWS_WITH(volt::GradScaler({.growth_factor = 1.0}), Contains("growth_factor=1"));
+  CHECK_THROWS_WITH(volt::GradScaler({.backoff_factor = 1.5}), Contains("backoff_factor=1.5"));
+  CHECK_THROWS_WITH(volt::GradScaler({.growth_interval = 0}), Contains("growth_interval=0"));
+}
+
+TEST_CASE("Fp16Mixed's loss scaling matches an unscaled reference loop on CPU tensors", "[unit][scaler]") {
+  // The policy's backward/unscale/step path, driven by hand (its autocast needs a GPU; the scaling does not).
+  auto [x, y] = vt::regression_data(64);
+  vt::RegressorImpl a, b;
+  vt::copy_weights(a, b);
+  volt::Fp16Mixed precision;
+  torch::optim::SGD oa(a.parameters(), torch::optim::SGDOptions(0.05)), ob(b.parameters(), torch::optim::SGDOptions(0.05));
+  for (int step = 0; step < 5; ++step) {
+    oa.zero_grad();
+    precision.backward(vt::mse(a.forward(x), y));
+    precision.unscale_gradients(oa);
+    CHECK(precision.optimizer_step(oa));
+    ob.zero_grad();
+    vt::mse(b.forward(x), y).backward();
+    ob.step();
+  }
+  CHECK(torch::allclose(vt::flat_params(a), vt::flat_params(b), 1e-6, 1e-7));
+  CHECK(precision.state_dict().at("scale") == 65536.0);
+  CHECK(precision.state_dict().at("_growth_tracker") == 5.0);
+}
+
+// ---- options ------------------------------------------------------------------------------------------------
+
+TEST_CASE("Limit resolves counts and fractions as Lightning", "[unit]") {
+  CHECK(volt::Limit(5).resolve(10, "x") == 5);
+  CHECK(volt::Limit(50).resolve(10, "x") == 10);
+  CHECK(volt::Limit(0.25).resolve(10, "x") == 2);
+  CHECK(volt::Limit(1.0).resolve(10, "x") == 10);
+  CHECK(volt::Limit(1.0).resolve(-1, "x") == -1);
+  CHECK(volt::Limit(7).resolve(-1, "x") == 7);
+  CHECK(volt::Limit(0).resolve(10, "x") == 0);
+  CHECK(volt::Limit(0.0).resolve(10, "x") == 0);
+  CHECK_THROWS_WITH(volt::Limit(0.05).resolve(10, "limit_val_batches"),
+                    Contains("limit_val_batches=0.05") && Contains("less than one batch"));
+}
+
+// ---- batches and loaders --------------------------------------------------------------------------------
+
+TEST_CASE("batch helpers reach every tensor of nested batches", "[unit]") {
+  using B = std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::pair<int, torch::Tensor>>;
+  B b{torch::ones({3, 2}), {torch::zeros({3}), torch::ones({3}, torch::kLong)}, {7, torch::ones({3, 1})}};
+  auto c = volt::batch_to_floating_dtype(b, torch::kFloat64);
+  CHECK(std::get<0>(c).scalar_type() == torch::kFloat64);
+  CHECK(std::get<1>(c)[0].scalar_type() == torch::kFloat64);
+  CHECK(std::get<1>(c)[1].scalar_type() == torch::kLong);  // integer tensors stay
+  CHECK(std::get<2>(c).first == 7);
+  CHECK(volt::infer_batch_size(b) == 3);
+  torch::data::Example<> e{torch::ones({5, 2}), torch::ones({5})};
+  CHECK(volt::infer_batch_size(e) == 5);
+  CHECK(volt::batch_to_device(e, torch::kCPU).data.sizes() == e.data.sizes());
+}
+
+TEST_CASE("TensorLoader: sizes, views, per-epoch seeded shuffles", "[unit][data]") {
+  auto x = torch::arange(10, torch::kFloat32).unsqueeze(1);
+  auto y = torch::arange(10);
+  volt::data::TensorLoader plain(x, y, {.batch_size = 4});
+  CHECK(plain.size() == 3);
+  std::vector<int64_t> seen;
+  for (auto b : plain) {
+    for (int64_t i = 0; i < b.target.size(0); ++i) seen.push_back(b.target[i].item<int64_t>());
+  }
+  CHECK(seen == std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
+  volt::data::TensorLoader dropping(x, y, {.batch_size = 4, .drop_last = true});
+  CHECK(dropping.size() == 2);
+
+  volt::data::TensorLoader shuffled(x, y, {.batch_size = 3, .shuffle = true, .seed = 5});
+  auto epoch_order = [&](int64_t e) {
+    shuffled.set_epoch(e);
+    std::vector<int64_t> o;
+    for (auto b : shuffled)
+      for (int64_t i = 0; i < b.target.size(0); ++i) o.push_back(b.target[i].item<int64_t>());
+    return o;
+  };
+  auto e0 = epoch_order(0), e0again = epoch_order(0), e1 = epoch_order(1);
+  CHECK(e0 == e0again);
+  CHECK(e0 != e1);
+  std::sort(e1.begin(), e1.end());
+  CHECK(e1 == seen);  // a permutation: every sample once
+  // independent of the global generator
+  torch::manual_seed(999);
+  CHECK(epoch_order(0) == e0);
+  CHECK_THROWS_WITH(volt::data::TensorLoader(x, torch::arange(9), {}), Contains("10 samples") && Contains("9 targets"));
+  CHECK_THROWS_WITH(volt::data::TensorLoader(x, y, {.batch_size = 0}), Contains("batch_size=0"));
+}
+
+TEST_CASE("Context::log refuses values that cannot be logged", "[unit]") {
+  volt::detail::LoopState state;
+  volt::detail::MetricStore store;
+  volt::Context ctx(state, store);
+  state.in_batch = true;
+  CHECK_THROWS_WITH(ctx.log("v", torch::ones({3})), Contains("3 elements"));
+  CHECK_THROWS_WITH(ctx.log("v", 1.0, {.on_step = false, .on_epoch = false}), Contains("record nothing"));
+  ctx.log("v", 1.0, {.on_step = true, .on_epoch = false});
+  CHECK_THROWS_WITH(ctx.log("v", 1.0, {.on_step = false, .on_epoch = true}), Contains("different"));
+  state.in_batch = false;
+  CHECK_THROWS_WITH(ctx.log("w", 1.0, {.on_step = true}), Contains("outside a step"));
+}

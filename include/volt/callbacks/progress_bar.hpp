@@ -73,10 +73,7 @@ class ProgressBar {
   template <class T, class M>
   void on_test_end(T& trainer, M&) {
     if (!trainer.is_global_zero()) return;
-    std::ostringstream o;
-    o << "Test:" << std::setprecision(4);
-    for (const auto& [name, value] : trainer.callback_metrics()) o << "  " << name << "=" << value.template item<double>();
-    *out_ << o.str() << "\n" << std::flush;
+    *out_ << "Test:" << metrics_text(trainer.callback_metrics()) << "\n" << std::flush;
   }
 
  private:
@@ -92,11 +89,10 @@ class ProgressBar {
     return o.str();
   }
 
-  template <class T>
-  static std::string metrics_text(const T& trainer) {
+  static std::string metrics_text(const std::map<std::string, torch::Tensor>& metrics) {
     std::ostringstream o;
     o << std::setprecision(4);
-    for (const auto& [name, value] : trainer.progress_bar_metrics()) o << "  " << name << "=" << value.template item<double>();
+    for (const auto& [name, value] : metrics) o << "  " << name << "=" << value.template item<double>();
     return o.str();
   }
 
@@ -119,7 +115,7 @@ class ProgressBar {
     line << std::fixed << std::setprecision(2) << "  " << rate << " it/s";
     if (total_ > 0 && !final && rate > 0) line << "  ETA " << clock_text(static_cast<double>(total_ - done) / rate);
     if (final) line << "  " << clock_text(elapsed);
-    line << std::defaultfloat << metrics_text(trainer);
+    line << std::defaultfloat << metrics_text(trainer.progress_bar_metrics());
     if (plain_) {
       *out_ << line.str() << "\n";
     } else {

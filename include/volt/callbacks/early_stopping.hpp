@@ -80,6 +80,12 @@ class EarlyStopping {
             {"patience", static_cast<double>(options_.patience)}};
   }
   void load_state_dict(const std::map<std::string, double>& state) {
+    for (const char* key : {"wait_count", "stopped_epoch", "best_score"}) {
+      if (!state.count(key)) {
+        throw std::invalid_argument(std::string("volt: EarlyStopping state has no \"") + key +
+                                    "\"; it was not saved by EarlyStopping.");
+      }
+    }
     wait_count_ = static_cast<int64_t>(state.at("wait_count"));
     stopped_epoch_ = static_cast<int64_t>(state.at("stopped_epoch"));
     best_score_ = state.at("best_score");

@@ -16,8 +16,7 @@ namespace volt::detail {
 inline constexpr int torch_version = TORCH_VERSION_MAJOR * 10000 + TORCH_VERSION_MINOR * 100 + TORCH_VERSION_PATCH;
 
 // LibTorch 2.4 replaced the per-device autocast functions (set_cpu_enabled, set_autocast_gpu_dtype, ...)
-// with ones taking a DeviceType.
-inline constexpr bool has_device_generic_autocast = torch_version >= 20400;
+// with ones taking a DeviceType; the wrappers below choose by version.
 
 inline bool autocast_enabled(c10::DeviceType device) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)

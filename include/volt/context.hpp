@@ -128,6 +128,37 @@ class MetricStore {
   std::vector<MetricEntry> entries_;
 };
 
+/// The strategy's collectives, as a module sees them through its Context (not tied to the strategy's type).
+struct Collectives {
+  virtual ~Collectives() = default;
+  virtual torch::Tensor all_reduce(const torch::Tensor& t, Reduce op) = 0;
+  virtual torch::Tensor all_gather(const torch::Tensor& t) = 0;
+  virtual void broadcast_(const torch::Tensor& t, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+/// Collectives of a strategy `S`; a strategy without all_gather/broadcast_ is a world of one for them.
+template <class S>
+class StrategyCollectives final : public Collectives {
+ public:
+  explicit StrategyCollectives(S* strategy) : s_(strategy) {}
+  torch::Tensor all_reduce(const torch::Tensor& t, Reduce op) override { return s_->all_reduce(t, op); }
+  torch::Tensor all_gather(const torch::Tensor& t) override {
+    if constexpr (requires { s_->all_gather(t); }) {
+      return s_->all_gather(t);
+    } else {
+      return t.detach().unsqueeze(0).clone();
+    }
+  }
+  void broadcast_(const torch::Tensor& t, int root) override {
+    if constexpr (requires { s_->broadcast_(t, root); }) s_->broadcast_(t, root);
+  }
+  void barrier() override { s_->barrier(); }
+
+ private:
+  S* s_;
+};
+
 /// Where the loops stand; the Trainer owns it and every Context points at it.
 struct LoopState {
   Stage stage = Stage::train;
@@ -140,6 +171,7 @@ struct LoopState {
   torch::Device device = torch::kCPU;
   const void* batch = nullptr;                        // the current batch, for batch-size inference
   int64_t (*batch_size_of)(const void*) = nullptr;  // typed by the loop that set `batch`
+  Collectives* collectives = nullptr;                // the strategy's, set when a run starts
 };
 
 }  // namespace detail
@@ -159,6 +191,23 @@ class Context {
   bool is_global_zero() const { return state_->global_rank == 0; }
   /// The device batches are moved to.
   torch::Device device() const { return state_->device; }
+
+  /// Collectives across the ranks of the run (identities in a world of one). Every rank must call them in
+  /// the same order. `all_reduce` returns a reduced copy (mean divides by the world size); `all_gather`
+  /// stacks every rank's tensor along a new first dimension; `broadcast_` copies rank `root`'s tensor in place.
+  /// They are not differentiable: wrap them in an autograd Function to use them inside a graph.
+  torch::Tensor all_reduce(const torch::Tensor& t, Reduce op = Reduce::sum) {
+    return state_->collectives ? state_->collectives->all_reduce(t, op) : t.detach().clone();
+  }
+  torch::Tensor all_gather(const torch::Tensor& t) {
+    return state_->collectives ? state_->collectives->all_gather(t) : t.detach().unsqueeze(0).clone();
+  }
+  void broadcast_(const torch::Tensor& t, int root = 0) {
+    if (state_->collectives) state_->collectives->broadcast_(t, root);
+  }
+  void barrier() {
+    if (state_->collectives) state_->collectives->barrier();
+  }
 
   /// Records a scalar under `name` (see LogOptions for where it goes and how it is reduced).
   void log(std::string_view name, const torch::Tensor& value, const LogOptions& options = {}) {

@@ -15,6 +15,7 @@
 #include "volt/precision/fp32.hpp"
 #include "volt/rules.hpp"
 #include "volt/strategies/single_device.hpp"
+#include "volt/detail/fit_transfer.hpp"
 
 #include <ATen/Context.h>
 #include <c10/core/InferenceMode.h>
@@ -38,13 +39,6 @@ namespace volt {
 
 /// Passed where no loader is given (fit without validation).
 struct NoLoader {};
-
-/// What `fit` returns (in the calling process, also under launchers that run fit elsewhere):
-/// the final callback metrics and the best checkpoint's path ("" without checkpointing).
-struct FitResult {
-  std::map<std::string, double> metrics;
-  std::string best_model_path;
-};
 
 namespace detail {
 
@@ -150,12 +144,21 @@ class Trainer {
   static_assert(!detail::slots_ok<S, P, A> || Fp16AutocastAvailable<P, A>,
                 "volt: this precision autocasts to float16, which the accelerator does not offer (CPU has no "
                 "float16 autocast). On CPU use Bf16Mixed or Fp32; for Fp16Mixed use the GPU accelerator.");
+  static_assert(!detail::slots_ok<S, P, A> || BackendRunsOn<detail::bind_strategy_t<S, A>, A>,
+                "volt: the strategy's collective backend (Nccl) reduces CUDA tensors only, and the accelerator is "
+                "CPU. Use volt::Mpi (DDP<Launcher, volt::Mpi>), or leave the backend out: DDP<Script> picks Mpi on "
+                "CPU and Nccl on GPU.");
+  static_assert(!detail::slots_ok<S, P, A> || BackendCompiledIn<detail::bind_strategy_t<S, A>>,
+                "volt: this run reduces with NCCL, which is not compiled in (VOLT_WITH_NCCL is 0). Link the "
+                "volt::nccl CMake target (it finds nccl.h and libnccl and defines VOLT_WITH_NCCL=1), or choose "
+                "DDP<Launcher, volt::Mpi> to reduce through host memory.");
   static_assert(!detail::slots_ok<S, P, A> || Bf16AutocastAvailable<P, A>,
                 "volt: this precision autocasts to bfloat16, which the accelerator does not offer. Use Fp32 or an "
                 "accelerator with has_bf16_autocast.");
 
  public:
-  using strategy_type = S;
+  /// The strategy as it runs on this accelerator (DDP<Spawn> with its backend resolved).
+  using strategy_type = detail::bind_strategy_t<S, A>;
   using precision_type = P;
   using accelerator_type = A;
 
@@ -198,7 +201,7 @@ class Trainer {
       }, "volt: fit was given a validation loader but the module has no validation_step for its batches. Add "
          "`void validation_step(const Batch& batch, volt::Context& ctx)`, or call fit without the loader.");
     }
-    return strategy_.launch([&]() -> FitResult {
+    auto body = [&]() -> FitResult {
       auto& impl = detail::unwrap(module);
       auto& train = detail::deref_loader(train_loader);
       if constexpr (has_val) {
@@ -208,7 +211,13 @@ class Trainer {
         run_fit(impl, train, static_cast<NoLoader*>(nullptr));
       }
       return FitResult{callback_metric_values(), best_model_path()};
-    });
+    };
+    if constexpr (requires(detail::FitTransfer<module_impl_t<M>>& t) { strategy_.launch(body, t); }) {
+      detail::FitTransfer<module_impl_t<M>> transfer{&detail::unwrap(module)};
+      return strategy_.launch(body, transfer);
+    } else {
+      return strategy_.launch(body);
+    }
   }
 
   /// One validation run; returns its epoch metrics.
@@ -276,8 +285,8 @@ class Trainer {
   torch::optim::Optimizer* optimizer() { return optim_.optimizer.get(); }
   torch::optim::LRScheduler* lr_scheduler() { return optim_.scheduler.get(); }
 
-  S& strategy() { return strategy_; }
-  const S& strategy() const { return strategy_; }
+  strategy_type& strategy() { return strategy_; }
+  const strategy_type& strategy() const { return strategy_; }
   P& precision() { return precision_; }
   const P& precision() const { return precision_; }
   template <class C>
@@ -352,6 +361,8 @@ class Trainer {
     state_.device = strategy_.root_device();
     state_.global_rank = strategy_.global_rank();
     state_.world_size = strategy_.world_size();
+    collectives_ = detail::StrategyCollectives<strategy_type>(&strategy_);
+    state_.collectives = &collectives_;
     strategy_.setup_module(module);
     precision_.convert_module(module);
   }
@@ -417,8 +428,7 @@ class Trainer {
       if (!e.step_fresh) continue;
       e.step_fresh = false;
       const std::string key = e.step_key();
-      torch::Tensor v = e.sync_dist ? strategy_.all_reduce(e.step_value, e.reduce) : e.step_value;
-      if (e.sync_dist && e.reduce == Reduce::mean) v = v / strategy_.world_size();
+      const torch::Tensor v = e.sync_dist ? strategy_.all_reduce(e.step_value, e.reduce) : e.step_value;
       callback_metrics_[key] = v;
       if (e.prog_bar) progress_bar_metrics_[key] = v;
       if (e.logger) {
@@ -435,8 +445,8 @@ class Trainer {
       if (!e.on_epoch || e.weight == 0.0) continue;
       torch::Tensor acc = e.accumulated;
       torch::Tensor weight = torch::scalar_tensor(e.weight, acc.options());
-      if (e.sync_dist) {
-        acc = strategy_.all_reduce(acc, e.reduce);
+      if (e.sync_dist) {  // a weighted mean: sum the weighted values and the weights across ranks
+        acc = strategy_.all_reduce(acc, e.reduce == Reduce::mean ? Reduce::sum : e.reduce);
         if (e.reduce == Reduce::mean) weight = strategy_.all_reduce(weight, Reduce::sum);
       }
       torch::Tensor v = e.reduce == Reduce::mean ? acc / weight : acc;
@@ -554,10 +564,12 @@ class Trainer {
 
       each_callback([&](auto& cb) { detail::callback_hook::teardown(cb, *this, module, Stage::train); });
       detail::module_hook::teardown(module, ctx, Stage::train);
+      strategy_teardown();
     } catch (...) {
       const std::exception_ptr error = std::current_exception();
       each_callback([&](auto& cb) { detail::callback_hook::on_exception(cb, *this, module, error); });
       leave_batch();
+      strategy_teardown();
       throw;
     }
   }
@@ -652,7 +664,9 @@ class Trainer {
       const torch::Tensor scaled = k > 1 ? loss / static_cast<double>(k) : loss;
       each_callback([&](auto& cb) { detail::callback_hook::on_before_backward(cb, *this, module, scaled); });
       detail::module_hook::on_before_backward(module, ctx, scaled);
+      if constexpr (requires { strategy_.pre_backward(true); }) strategy_.pre_backward(steps);
       precision_.backward(scaled);
+      if constexpr (requires { strategy_.post_backward(); }) strategy_.post_backward();
       each_callback([&](auto& cb) { detail::callback_hook::on_after_backward(cb, *this, module); });
       detail::module_hook::on_after_backward(module, ctx);
 
@@ -693,6 +707,10 @@ class Trainer {
     ++total_batch_idx_;
     if (max_steps_reached()) return false;
     return !(should_stop_ && can_stop_early());
+  }
+
+  void strategy_teardown() {
+    if constexpr (requires { strategy_.teardown(); }) strategy_.teardown();
   }
 
   void clip_gradients() {
@@ -875,8 +893,9 @@ class Trainer {
 
   TrainerOptions options_;
   std::tuple<Callbacks...> callbacks_;
-  S strategy_;
+  strategy_type strategy_;
   P precision_;
+  detail::StrategyCollectives<strategy_type> collectives_{nullptr};
 
   detail::LoopState state_;
   detail::MetricStore train_store_;

@@ -5,6 +5,7 @@
 #include "volt/callbacks.hpp"
 #include "volt/context.hpp"
 #include "volt/data.hpp"
+#include "volt/launchers.hpp"
 #include "volt/module.hpp"
 #include "volt/options.hpp"
 #include "volt/precision.hpp"

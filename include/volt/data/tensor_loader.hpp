@@ -16,6 +16,12 @@ namespace volt::data {
 /// limit works with it, and shuffles with its own generator seeded by `seed + epoch`, so the order of an
 /// epoch depends on nothing but those two numbers (the Trainer calls `set_epoch` before each epoch).
 /// Contiguous batches without shuffling are views (no copy); shuffled batches gather with index_select.
+///
+/// `shard(rank, world_size)` gives the loader one rank of a distributed run iterates, as PyTorch's
+/// DistributedSampler: the epoch's order (the same permutation on every rank) is padded with its first
+/// samples to a multiple of world_size (unless drop_last, which trims it instead), and rank r takes
+/// positions r, r + world_size, ... So every sample is seen once per epoch across ranks (padding repeats
+/// at most world_size - 1), and every rank has the same number of batches.
 class TensorLoader {
  public:
   struct Options {
@@ -40,7 +46,28 @@ class TensorLoader {
     }
   }
 
-  int64_t num_samples() const { return data_.size(0); }
+  /// The loader rank `rank` of `world_size` iterates (see above).
+  TensorLoader shard(int rank, int world_size) const {
+    if (world_size < 1 || rank < 0 || rank >= world_size) {
+      throw std::invalid_argument("volt: TensorLoader::shard(rank=" + std::to_string(rank) + ", world_size=" +
+                                  std::to_string(world_size) + ") needs 0 <= rank < world_size.");
+    }
+    TensorLoader out = *this;
+    out.rank_ = rank;
+    out.world_size_ = world_size;
+    return out;
+  }
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+
+  /// Samples in the whole data set.
+  int64_t dataset_size() const { return data_.size(0); }
+  /// Samples this loader yields per epoch (its shard's).
+  int64_t num_samples() const {
+    const int64_t n = dataset_size();
+    if (world_size_ == 1) return n;
+    return options_.drop_last ? n / world_size_ : (n + world_size_ - 1) / world_size_;
+  }
   /// Batches per epoch.
   int64_t size() const {
     const int64_t n = num_samples();
@@ -50,11 +77,22 @@ class TensorLoader {
   int64_t epoch() const { return epoch_; }
   const Options& options() const { return options_; }
 
-  /// The sample order of the current epoch.
+  /// The sample indices this loader yields in the current epoch, in order.
   torch::Tensor order() const {
-    if (!options_.shuffle) return torch::arange(num_samples(), torch::kLong);
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(options_.seed + static_cast<uint64_t>(epoch_));
-    return torch::randperm(num_samples(), gen, torch::TensorOptions().dtype(torch::kLong));
+    torch::Tensor global;
+    if (options_.shuffle) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(options_.seed + static_cast<uint64_t>(epoch_));
+      global = torch::randperm(dataset_size(), gen, torch::TensorOptions().dtype(torch::kLong));
+    } else {
+      global = torch::arange(dataset_size(), torch::kLong);
+    }
+    if (world_size_ == 1) return global;
+    const int64_t total = num_samples() * world_size_;
+    if (total > dataset_size()) {  // pad with the order's first samples (repeating it if needed)
+      const int64_t reps = (total + dataset_size() - 1) / dataset_size();
+      global = global.repeat({reps});
+    }
+    return global.narrow(0, 0, total).slice(0, rank_, total, world_size_).contiguous();
   }
 
   class iterator {
@@ -77,7 +115,7 @@ class TensorLoader {
     torch::Tensor order_;
   };
 
-  iterator begin() const { return iterator(this, 0, options_.shuffle ? order() : torch::Tensor()); }
+  iterator begin() const { return iterator(this, 0, options_.shuffle || world_size_ > 1 ? order() : torch::Tensor()); }
   iterator end() const { return iterator(this, size(), {}); }
 
  private:
@@ -94,6 +132,8 @@ class TensorLoader {
   torch::Tensor data_, targets_;
   Options options_;
   int64_t epoch_ = 0;
+  int rank_ = 0;
+  int world_size_ = 1;
 };
 
 }  // namespace volt::data

@@ -1,0 +1,80 @@
+#pragma once
+/// \file
+/// The collective backend kind: what a distributed strategy reduces, broadcasts and gathers tensors with.
+///
+/// | member | meaning |
+/// |---|---|
+/// | `static constexpr const char* name` | for messages |
+/// | `static constexpr bool supports_cpu`, `supports_cuda` | which tensors it takes (checked against the accelerator at compile time) |
+/// | `Backend(detail::MpiGroup*, torch::Device)` | built once a run knows its processes and device (null group: a world of one) |
+/// | `iall_reduce_(t, Reduce) -> Work` | starts an in-place all-reduce; `Work::wait()` finishes it |
+/// | `all_reduce_(t, Reduce)`, `broadcast_(t, root)`, `all_gather(t) -> [world, ...]`, `barrier()` | blocking collectives |
+///
+/// Backends: `Mpi` (Open MPI; CPU tensors, CUDA ones staged through the host) and `Nccl` (CUDA tensors;
+/// needs the `volt::nccl` CMake target, which defines VOLT_WITH_NCCL). `AutoBackend` lets the strategy pick:
+/// Nccl on GPU, Mpi on CPU, as Lightning picks nccl and gloo.
+
+#include "volt/context.hpp"
+
+#include <torch/types.h>
+
+#include <concepts>
+#include <type_traits>
+
+#ifndef VOLT_WITH_NCCL
+#define VOLT_WITH_NCCL 0
+#endif
+
+namespace volt {
+
+namespace detail {
+class MpiGroup;
+}
+
+class Mpi;
+class Nccl;  // defined in volt/comm/nccl.hpp when VOLT_WITH_NCCL
+
+/// Picks the backend from the accelerator: Nccl for CUDA, Mpi otherwise.
+struct AutoBackend {};
+
+/// What the compile-time rules need to know of a backend, without its definition.
+template <class B>
+struct backend_traits {
+  static constexpr bool supports_cpu = B::supports_cpu;
+  static constexpr bool supports_cuda = B::supports_cuda;
+  static constexpr bool available = true;
+};
+template <>
+struct backend_traits<Nccl> {
+  static constexpr bool supports_cpu = false;
+  static constexpr bool supports_cuda = true;
+  static constexpr bool available = VOLT_WITH_NCCL != 0;
+};
+
+template <class B>
+concept CollectiveBackend = requires(B& b, const torch::Tensor& t) {
+  { B::name } -> std::convertible_to<const char*>;
+  b.iall_reduce_(t, Reduce::sum).wait();
+  b.all_reduce_(t, Reduce::sum);
+  b.broadcast_(t, 0);
+  { b.all_gather(t) } -> std::convertible_to<torch::Tensor>;
+  b.barrier();
+};
+
+}  // namespace volt
+
+namespace volt {
+
+/// `AutoBackend` resolved for an accelerator `A`: Nccl for CUDA devices, Mpi otherwise.
+template <class B, class A>
+struct resolve_backend {
+  using type = B;
+};
+template <class A>
+struct resolve_backend<AutoBackend, A> {
+  using type = std::conditional_t<A::device_type == c10::DeviceType::CUDA, Nccl, Mpi>;
+};
+template <class B, class A>
+using resolve_backend_t = typename resolve_backend<B, A>::type;
+
+}  // namespace volt

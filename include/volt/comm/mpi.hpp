@@ -1,0 +1,158 @@
+#pragma once
+/// \file
+/// `volt::Mpi`: collectives on tensors over Open MPI. CPU tensors are reduced in place; CUDA tensors (when
+/// a GPU run chooses Mpi over Nccl) are staged through host memory; float16/bfloat16 are reduced in
+/// float32 (MPI has no type for them). Every wait watches the group's failure channel (see runtime.hpp).
+
+#include "volt/comm/concept.hpp"
+#include "volt/comm/runtime.hpp"
+#include "volt/context.hpp"
+
+#include <torch/types.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+namespace detail {
+
+inline MPI_Datatype mpi_type(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return MPI_FLOAT;
+    case c10::ScalarType::Double: return MPI_DOUBLE;
+    case c10::ScalarType::Long: return MPI_INT64_T;
+    case c10::ScalarType::Int: return MPI_INT32_T;
+    case c10::ScalarType::Short: return MPI_INT16_T;
+    case c10::ScalarType::Char: return MPI_INT8_T;
+    case c10::ScalarType::Byte: return MPI_UINT8_T;
+    default: return MPI_DATATYPE_NULL;
+  }
+}
+
+inline MPI_Op mpi_op(Reduce op) {
+  switch (op) {
+    case Reduce::sum:
+    case Reduce::mean: return MPI_SUM;
+    case Reduce::max: return MPI_MAX;
+    case Reduce::min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+/// The tensor MPI works on for `t`: `t` itself when it is a contiguous CPU tensor of a type MPI knows,
+/// otherwise a contiguous CPU copy in float32 (float16/bfloat16), int64 (bool) or the same type.
+inline torch::Tensor mpi_buffer(const torch::Tensor& t) {
+  torch::Tensor b = t;
+  if (b.scalar_type() == c10::ScalarType::Half || b.scalar_type() == c10::ScalarType::BFloat16) {
+    b = b.to(torch::kFloat32);
+  } else if (b.scalar_type() == c10::ScalarType::Bool) {
+    b = b.to(torch::kLong);
+  } else if (mpi_type(b.scalar_type()) == MPI_DATATYPE_NULL) {
+    throw std::invalid_argument(std::string("volt: Mpi cannot reduce tensors of type ") + c10::toString(b.scalar_type()) +
+                                "; allowed: float16/32/64, bfloat16, int8/16/32/64, uint8, bool.");
+  }
+  if (!b.device().is_cpu()) b = b.to(torch::kCPU);
+  return b.contiguous();
+}
+
+}  // namespace detail
+
+/// Collectives over an MPI process group. A null group is a world of one (every collective is an identity).
+class Mpi {
+ public:
+  static constexpr const char* name = "Mpi";
+  static constexpr bool supports_cpu = true;
+  static constexpr bool supports_cuda = true;  // staged through host memory
+
+  /// An all-reduce in flight; `wait()` finishes it (the result lands in the tensor given to `iall_reduce_`).
+  class Work {
+   public:
+    Work() = default;
+    Work(detail::MpiGroup* group, torch::Tensor target, torch::Tensor buffer, Reduce op)
+        : group_(group), target_(std::move(target)), buffer_(std::move(buffer)), op_(op) {}
+    MPI_Request* request() { return &request_; }
+    void wait() {
+      if (group_ == nullptr) return;
+      group_->wait(request_);
+      if (op_ == Reduce::mean) buffer_.div_(group_->size());
+      if (buffer_.unsafeGetTensorImpl() != target_.unsafeGetTensorImpl()) target_.copy_(buffer_.view_as(target_));
+      group_ = nullptr;
+    }
+
+   private:
+    detail::MpiGroup* group_ = nullptr;
+    torch::Tensor target_, buffer_;
+    Reduce op_ = Reduce::sum;
+    MPI_Request request_ = MPI_REQUEST_NULL;
+  };
+
+  explicit Mpi(detail::MpiGroup* group = nullptr, torch::Device device = torch::kCPU) : group_(group) { (void)device; }
+
+  int rank() const { return group_ ? group_->rank() : 0; }
+  int size() const { return group_ ? group_->size() : 1; }
+
+  /// Starts an all-reduce of `t` in place.
+  Work iall_reduce_(const torch::Tensor& t, Reduce op) {
+    check_mean(t, op);
+    if (group_ == nullptr) return Work();
+    torch::Tensor buffer = detail::mpi_buffer(t);
+    Work work(group_, t, buffer, op);
+    detail::mpi_check(MPI_Iallreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(buffer.numel()),
+                                     detail::mpi_type(buffer.scalar_type()), detail::mpi_op(op), group_->comm(),
+                                     work.request()),
+                      "MPI_Iallreduce");
+    return work;
+  }
+  /// All-reduces `t` in place (sum, mean, max or min across ranks).
+  void all_reduce_(const torch::Tensor& t, Reduce op) { iall_reduce_(t, op).wait(); }
+
+  /// Copies rank `root`'s `t` into every rank's `t`.
+  void broadcast_(const torch::Tensor& t, int root = 0) {
+    if (group_ == nullptr) return;
+    torch::Tensor buffer = detail::mpi_buffer(t);
+    MPI_Request request;
+    detail::mpi_check(MPI_Ibcast(buffer.data_ptr(), static_cast<int>(buffer.numel()),
+                                 detail::mpi_type(buffer.scalar_type()), root, group_->comm(), &request),
+                      "MPI_Ibcast");
+    group_->wait(request);
+    if (buffer.unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) t.copy_(buffer.view_as(t));
+  }
+
+  /// Every rank's `t`, stacked: shape [world_size, t.sizes()...]. Every rank must give the same shape.
+  torch::Tensor all_gather(const torch::Tensor& t) {
+    if (group_ == nullptr) return t.unsqueeze(0).clone();
+    torch::Tensor buffer = detail::mpi_buffer(t);
+    std::vector<int64_t> shape{static_cast<int64_t>(size())};
+    for (int64_t s : t.sizes()) shape.push_back(s);
+    torch::Tensor out = torch::empty(shape, buffer.options());
+    MPI_Request request;
+    const MPI_Datatype type = detail::mpi_type(buffer.scalar_type());
+    detail::mpi_check(MPI_Iallgather(buffer.data_ptr(), static_cast<int>(buffer.numel()), type, out.data_ptr(),
+                                     static_cast<int>(buffer.numel()), type, group_->comm(), &request),
+                      "MPI_Iallgather");
+    group_->wait(request);
+    return out.to(t.options());
+  }
+
+  void barrier() {
+    if (group_ == nullptr) return;
+    MPI_Request request;
+    detail::mpi_check(MPI_Ibarrier(group_->comm(), &request), "MPI_Ibarrier");
+    group_->wait(request);
+  }
+
+ private:
+  static void check_mean(const torch::Tensor& t, Reduce op) {
+    if (op == Reduce::mean && !t.is_floating_point()) {
+      throw std::invalid_argument(std::string("volt: a mean all-reduce needs a floating-point tensor, got ") +
+                                  c10::toString(t.scalar_type()) + "; use Reduce::sum, or convert it first.");
+    }
+  }
+
+  detail::MpiGroup* group_;
+};
+
+}  // namespace volt

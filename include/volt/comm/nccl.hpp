@@ -1,0 +1,156 @@
+#pragma once
+/// \file
+/// `volt::Nccl`: collectives on CUDA tensors with NCCL, on the tensors' current CUDA stream. The
+/// communicator's unique id is made by rank 0 and broadcast over the MPI group. Available when compiled
+/// with VOLT_WITH_NCCL=1 (link the `volt::nccl` CMake target); otherwise only declared, and the compile-time
+/// rules say what to do.
+
+#include "volt/comm/concept.hpp"
+
+#if VOLT_WITH_NCCL
+#include "volt/comm/runtime.hpp"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <nccl.h>
+#include <torch/types.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace volt {
+
+namespace detail {
+inline void nccl_check(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) throw std::runtime_error(std::string("volt: ") + what + " failed: " + ncclGetErrorString(r));
+}
+inline ncclDataType_t nccl_type(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return ncclFloat32;
+    case c10::ScalarType::Double: return ncclFloat64;
+    case c10::ScalarType::Half: return ncclFloat16;
+    case c10::ScalarType::BFloat16: return ncclBfloat16;
+    case c10::ScalarType::Long: return ncclInt64;
+    case c10::ScalarType::Int: return ncclInt32;
+    case c10::ScalarType::Char: return ncclInt8;
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Bool: return ncclUint8;
+    default:
+      throw std::invalid_argument(std::string("volt: Nccl cannot reduce tensors of type ") + c10::toString(t) + ".");
+  }
+}
+inline ncclRedOp_t nccl_op(Reduce op) {
+  switch (op) {
+    case Reduce::sum: return ncclSum;
+    case Reduce::mean: return ncclAvg;
+    case Reduce::max: return ncclMax;
+    case Reduce::min: return ncclMin;
+  }
+  return ncclSum;
+}
+}  // namespace detail
+
+class Nccl {
+ public:
+  static constexpr const char* name = "Nccl";
+  static constexpr bool supports_cpu = false;
+  static constexpr bool supports_cuda = true;
+
+  /// NCCL work is ordered on the stream it was queued on; later kernels on that stream see the result.
+  struct Work {
+    void wait() {}
+  };
+
+  Nccl(detail::MpiGroup* group, torch::Device device) : group_(group), device_(device) {
+    if (!device.is_cuda()) {
+      throw std::invalid_argument("volt: Nccl needs a CUDA device, got " + device.str() + "; use volt::Mpi on CPU.");
+    }
+    const int rank = group ? group->rank() : 0;
+    const int size = group ? group->size() : 1;
+    ncclUniqueId id;
+    if (rank == 0) detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    if (group != nullptr) {
+      MPI_Request request;
+      detail::mpi_check(MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, group->comm(), &request), "MPI_Ibcast");
+      group->wait(request);
+    }
+    c10::cuda::CUDAGuard guard(device);
+    detail::nccl_check(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank");
+  }
+  Nccl(const Nccl&) = delete;
+  Nccl& operator=(const Nccl&) = delete;
+  ~Nccl() {
+    if (comm_ == nullptr) return;
+    if (group_ != nullptr && group_->failed()) {
+      ncclCommAbort(comm_);
+    } else {
+      ncclCommDestroy(comm_);
+    }
+  }
+
+  int rank() const { return group_ ? group_->rank() : 0; }
+  int size() const { return group_ ? group_->size() : 1; }
+
+  Work iall_reduce_(const torch::Tensor& t, Reduce op) {
+    with_contiguous(t, [&](const torch::Tensor& c) {
+      detail::nccl_check(ncclAllReduce(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()),
+                                       detail::nccl_type(c.scalar_type()), detail::nccl_op(op), comm_, stream(c)),
+                         "ncclAllReduce");
+    });
+    return {};
+  }
+  void all_reduce_(const torch::Tensor& t, Reduce op) { iall_reduce_(t, op); }
+
+  void broadcast_(const torch::Tensor& t, int root = 0) {
+    with_contiguous(t, [&](const torch::Tensor& c) {
+      detail::nccl_check(ncclBroadcast(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()),
+                                       detail::nccl_type(c.scalar_type()), root, comm_, stream(c)),
+                         "ncclBroadcast");
+    });
+  }
+
+  torch::Tensor all_gather(const torch::Tensor& t) {
+    check(t);
+    const torch::Tensor c = t.contiguous();
+    std::vector<int64_t> shape{static_cast<int64_t>(size())};
+    for (int64_t s : t.sizes()) shape.push_back(s);
+    torch::Tensor out = torch::empty(shape, c.options());
+    detail::nccl_check(ncclAllGather(c.data_ptr(), out.data_ptr(), static_cast<size_t>(c.numel()),
+                                     detail::nccl_type(c.scalar_type()), comm_, stream(c)),
+                       "ncclAllGather");
+    return out;
+  }
+
+  void barrier() {
+    torch::Tensor one = torch::ones({1}, torch::TensorOptions().device(device_));
+    all_reduce_(one, Reduce::sum);
+    c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();
+  }
+
+ private:
+  void check(const torch::Tensor& t) const {
+    if (!t.is_cuda()) {
+      throw std::invalid_argument("volt: Nccl reduces CUDA tensors, got one on " + t.device().str() + ".");
+    }
+  }
+  static cudaStream_t stream(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+  template <class F>
+  void with_contiguous(const torch::Tensor& t, F&& f) {
+    check(t);
+    if (t.is_contiguous()) {
+      f(t);
+    } else {
+      torch::Tensor c = t.contiguous();
+      f(c);
+      t.copy_(c);
+    }
+  }
+
+  detail::MpiGroup* group_;
+  torch::Device device_;
+  ncclComm_t comm_ = nullptr;
+};
+
+}  // namespace volt
+#endif  // VOLT_WITH_NCCL

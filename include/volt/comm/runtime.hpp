@@ -1,0 +1,299 @@
+#pragma once
+/// \file
+/// The MPI side of a process: initialisation (Boost.MPI's environment, once per process), a process group
+/// with a failure channel, and waits that never hang on a dead peer.
+///
+/// Failure model. Every wait volt does on MPI is a polling loop (`MPI_Test`) that also watches
+///  - a failure channel: a rank whose body throws sends its message to every other member (and to a Spawn
+///    parent) before it rethrows; a waiting member throws `volt::RankFailure` carrying that message;
+///  - the peers' processes: members on the same host are checked with `kill(pid, 0)`, so a peer that died
+///    without a word (a crash, SIGKILL) is noticed too.
+/// A process whose group failed never calls `MPI_Finalize` (it would wait for the dead), so the job ends
+/// with the failing rank's message and a non-zero exit instead of a hang.
+
+#include <boost/mpi/communicator.hpp>
+#include <boost/mpi/collectives/all_gather.hpp>
+#include <boost/mpi/collectives/broadcast.hpp>
+#include <boost/mpi/environment.hpp>
+#include <boost/serialization/string.hpp>
+#include <boost/serialization/utility.hpp>
+#include <boost/serialization/vector.hpp>
+#include <mpi.h>
+
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+/// Thrown in every rank that was waiting on a rank that failed (and, under Spawn, in the main process).
+/// `what()` carries the failing rank's own message.
+class RankFailure : public std::runtime_error {
+ public:
+  RankFailure(int rank, const std::string& message) : std::runtime_error(message), rank_(rank) {}
+  /// The rank that failed first (-1 when unknown).
+  int failed_rank() const { return rank_; }
+
+ private:
+  int rank_;
+};
+
+namespace detail {
+
+inline constexpr int kFailureTag = 31001;  // failure notices, on the failure channel
+inline constexpr int kResultTag = 31002;   // Spawn: rank 0's result to the main process
+inline constexpr int kErrorTag = 31003;    // Spawn: a worker's failure to the main process
+inline constexpr int kHelloTag = 31004;    // Spawn: a worker's pid and host to the main process
+inline constexpr std::size_t kMessageCap = 8192;
+
+inline void mpi_check(int code, const char* what) {
+  if (code != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(code, text, &len);
+    throw std::runtime_error(std::string("volt: ") + what + " failed: " + std::string(text, static_cast<std::size_t>(len)));
+  }
+}
+
+inline std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  return name;
+}
+
+/// A process of the job, as another member sees it.
+struct Peer {
+  int rank = 0;
+  int pid = 0;
+  bool same_host = false;
+};
+
+/// Whether `pid` on this host has ended.
+inline bool process_gone(int pid) { return pid > 0 && ::kill(pid, 0) == -1 && errno == ESRCH; }
+
+/// MPI for this process: initialised once (lazily, when a distributed run first launches) and finalised
+/// at exit, unless a group failed. Leaked on purpose: it must outlive every static that might use MPI.
+class MpiRuntime {
+ public:
+  static MpiRuntime& instance() {
+    static MpiRuntime* runtime = new MpiRuntime();
+    return *runtime;
+  }
+
+  void ensure_initialized() {
+    if (env_) return;
+    int already = 0;
+    MPI_Initialized(&already);
+    if (already) {
+      external_ = true;  // the program initialised MPI itself; it finalises it too
+    } else {
+      env_ = std::make_unique<boost::mpi::environment>(boost::mpi::threading::multiple, /*abort_on_exception=*/false);
+      std::atexit(&MpiRuntime::at_exit);
+    }
+    if (!external_ && !env_) throw std::runtime_error("volt: MPI could not be initialised.");
+    MPI_Comm_get_parent(&parent_);
+  }
+  bool initialized() const {
+    int flag = 0;
+    MPI_Initialized(&flag);
+    return flag != 0;
+  }
+  /// The intercommunicator to the process that spawned this one (MPI_COMM_NULL when none).
+  MPI_Comm parent() const { return parent_; }
+
+  /// After a failure: never finalise (peers may be dead), and let nothing disconnect.
+  void mark_failed() { failed_ = true; }
+  bool failed() const { return failed_; }
+
+  /// Intercommunicators to disconnect before MPI_Finalize (after everything in close_at_exit).
+  void disconnect_at_exit(MPI_Comm comm) { to_disconnect_.push_back(comm); }
+  /// Something to close before those (a group's own communicators); run in reverse order of registration.
+  void close_at_exit(std::function<void()> close) { to_close_.push_back(std::move(close)); }
+
+ private:
+  MpiRuntime() = default;
+
+  static void at_exit() {
+    MpiRuntime& r = instance();
+    if (r.failed_ || !r.env_) return;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (auto it = r.to_close_.rbegin(); it != r.to_close_.rend(); ++it) (*it)();
+    r.to_close_.clear();
+    for (auto it = r.to_disconnect_.rbegin(); it != r.to_disconnect_.rend(); ++it) {
+      if (*it != MPI_COMM_NULL) MPI_Comm_disconnect(&*it);
+    }
+    r.to_disconnect_.clear();
+    r.env_.reset();  // MPI_Finalize
+  }
+
+  std::unique_ptr<boost::mpi::environment> env_;
+  bool external_ = false;
+  bool failed_ = false;
+  MPI_Comm parent_ = MPI_COMM_NULL;
+  std::vector<MPI_Comm> to_disconnect_;
+  std::vector<std::function<void()>> to_close_;
+};
+
+/// The processes of one job and the communicator their collectives run on, with its failure channel.
+class MpiGroup {
+ public:
+  /// `comm` is duplicated (twice: work and failure channel); `parent` is a Spawn worker's link to the
+  /// main process (MPI_COMM_NULL otherwise). Collective over `comm`.
+  MpiGroup(MPI_Comm comm, int local_rank, int node_rank, MPI_Comm parent = MPI_COMM_NULL)
+      : local_rank_(local_rank), node_rank_(node_rank), parent_(parent) {
+    mpi_check(MPI_Comm_dup(comm, &work_), "MPI_Comm_dup");
+    mpi_check(MPI_Comm_dup(comm, &failure_), "MPI_Comm_dup");
+    MPI_Comm_rank(work_, &rank_);
+    MPI_Comm_size(work_, &size_);
+    // Who is where: (pid, host) of every member, gathered through Boost.MPI.
+    boost::mpi::communicator bc(work_, boost::mpi::comm_attach);
+    std::vector<std::pair<int, std::string>> all;
+    boost::mpi::all_gather(bc, std::make_pair(static_cast<int>(::getpid()), host_name()), all);
+    const std::string here = host_name();
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      peers_.push_back(Peer{r, all[static_cast<std::size_t>(r)].first, all[static_cast<std::size_t>(r)].second == here});
+    }
+    post_failure_receive();
+    MpiRuntime::instance().close_at_exit([this] { close(); });
+  }
+  MpiGroup(const MpiGroup&) = delete;
+  MpiGroup& operator=(const MpiGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int local_rank() const { return local_rank_; }
+  int node_rank() const { return node_rank_; }
+  MPI_Comm comm() const { return work_; }
+  MPI_Comm parent() const { return parent_; }
+  bool failed() const { return failed_; }
+
+  /// Waits for `request`, throwing RankFailure if another member fails or dies meanwhile.
+  void wait(MPI_Request& request) {
+    int done = 0;
+    auto next_check = std::chrono::steady_clock::now();
+    for (;;) {
+      mpi_check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      poll_failures();
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= next_check) {
+        next_check = now + std::chrono::milliseconds(100);
+        check_peers_alive(request);
+        if (request == MPI_REQUEST_NULL) return;
+      }
+      ::sched_yield();
+    }
+  }
+
+  /// Throws RankFailure if a failure notice has arrived (cheap: one MPI_Test).
+  void poll_failures() {
+    if (failed_) throw RankFailure(failed_rank_, failure_message_);
+    int arrived = 0;
+    MPI_Status status;
+    MPI_Test(&failure_request_, &arrived, &status);
+    if (arrived) {
+      int len = 0;
+      MPI_Get_count(&status, MPI_CHAR, &len);
+      on_failure(status.MPI_SOURCE, std::string(failure_buffer_.data(), static_cast<std::size_t>(len)));
+    }
+  }
+
+  /// Before MPI_Finalize: withdraw the failure receive and free the group's communicators (the launcher
+  /// disconnects the intercommunicator they came from afterwards).
+  void close() {
+    if (failure_request_ != MPI_REQUEST_NULL) {
+      MPI_Cancel(&failure_request_);
+      MPI_Wait(&failure_request_, MPI_STATUS_IGNORE);
+    }
+    if (failure_ != MPI_COMM_NULL) MPI_Comm_free(&failure_);
+    if (work_ != MPI_COMM_NULL) MPI_Comm_free(&work_);
+  }
+
+  /// This member failed with `message`: tell every other member (and a Spawn parent), briefly wait for the
+  /// notices to leave, and mark the process so it never finalises. Never throws.
+  void announce_failure(const std::string& message) noexcept {
+    if (failed_) return;  // already failing because of someone else: nothing new to say
+    failed_ = true;
+    failed_rank_ = rank_;
+    failure_message_ = message;
+    MpiRuntime::instance().mark_failed();
+    const std::string text = message.substr(0, kMessageCap - 1);
+    std::vector<MPI_Request> sends;
+    for (const Peer& p : peers_) {
+      MPI_Request r;
+      if (MPI_Isend(text.data(), static_cast<int>(text.size()), MPI_CHAR, p.rank, kFailureTag, failure_, &r) == MPI_SUCCESS) {
+        sends.push_back(r);
+      }
+    }
+    if (parent_ != MPI_COMM_NULL) {
+      MPI_Request r;
+      if (MPI_Isend(text.data(), static_cast<int>(text.size()), MPI_CHAR, 0, kErrorTag, parent_, &r) == MPI_SUCCESS) {
+        sends.push_back(r);
+      }
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    for (MPI_Request& r : sends) {
+      int done = 0;
+      while (!done && std::chrono::steady_clock::now() < deadline) {
+        MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+        if (!done) ::sched_yield();
+      }
+    }
+  }
+
+ private:
+  void post_failure_receive() {
+    failure_buffer_.assign(kMessageCap, '\0');
+    mpi_check(MPI_Irecv(failure_buffer_.data(), static_cast<int>(kMessageCap), MPI_CHAR, MPI_ANY_SOURCE, kFailureTag,
+                        failure_, &failure_request_),
+              "MPI_Irecv");
+  }
+
+  [[noreturn]] void on_failure(int rank, std::string message) {
+    failed_ = true;
+    failed_rank_ = rank;
+    failure_message_ = std::move(message);
+    MpiRuntime::instance().mark_failed();
+    throw RankFailure(failed_rank_, failure_message_);
+  }
+
+  void check_peers_alive(MPI_Request& request) {
+    for (const Peer& p : peers_) {
+      if (!p.same_host || !process_gone(p.pid)) continue;
+      int done = 0;  // its last message may have completed our request before it left
+      MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+      if (done) return;
+      poll_failures();
+      on_failure(p.rank, "volt: rank " + std::to_string(p.rank) + " (pid " + std::to_string(p.pid) +
+                             ") ended without a message (killed or crashed) while rank " + std::to_string(rank_) +
+                             " was waiting for it.");
+    }
+  }
+
+  int rank_ = 0, size_ = 1, local_rank_ = 0, node_rank_ = 0;
+  MPI_Comm work_ = MPI_COMM_NULL, failure_ = MPI_COMM_NULL, parent_ = MPI_COMM_NULL;
+  std::vector<Peer> peers_;
+  MPI_Request failure_request_ = MPI_REQUEST_NULL;
+  std::vector<char> failure_buffer_;
+  bool failed_ = false;
+  int failed_rank_ = -1;
+  std::string failure_message_;
+};
+
+}  // namespace detail
+}  // namespace volt

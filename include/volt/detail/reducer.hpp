@@ -1,0 +1,192 @@
+#pragma once
+/// \file
+/// Gradient averaging for data parallelism, in the manner of PyTorch's DDP Reducer: parameters are grouped
+/// into flat buckets in reverse order (the order backward produces gradients), the first bucket capped at
+/// 1 MiB so communication starts early and the others at 25 MiB; a bucket's all-reduce starts as soon as its
+/// last gradient arrives, buckets are started in index order on every rank (so the collectives match),
+/// and at the end of backward every bucket is waited for and copied back into `.grad`.
+///
+/// Gradient accumulation: on micro-batches that do not step, the hooks stay disarmed and gradients accumulate
+/// locally; on the last one, each bucket takes the accumulated gradient plus the new one. A parameter that
+/// received no gradient this backward contributes its `.grad` (or zeros), so ranks that skip a parameter
+/// still agree on every bucket.
+
+#include "volt/context.hpp"
+
+#include <torch/types.h>
+
+#include <cstddef>
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace volt::detail {
+
+inline constexpr std::size_t kFirstBucketBytes = std::size_t{1} << 20;
+inline constexpr std::size_t kBucketBytes = std::size_t{25} << 20;
+
+template <class Backend>
+class Reducer {
+ public:
+  Reducer(std::vector<torch::Tensor> params, Backend& backend, int world_size, std::size_t first_bucket_bytes = kFirstBucketBytes,
+          std::size_t bucket_bytes = kBucketBytes)
+      : params_(std::move(params)), backend_(&backend), world_size_(world_size) {
+    build_buckets(first_bucket_bytes, bucket_bytes);
+    hooks_.reserve(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].requires_grad()) {
+        hooks_.push_back(-1);
+        continue;
+      }
+      hooks_.push_back(static_cast<int>(params_[i].register_hook([this, i](const torch::Tensor& grad) { on_grad(i, grad); })));
+    }
+  }
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+  ~Reducer() {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (hooks_[i] >= 0) params_[i].remove_hook(static_cast<unsigned>(hooks_[i]));
+    }
+  }
+
+  std::size_t num_buckets() const { return buckets_.size(); }
+  /// Parameter indices of each bucket, in the order they fill it.
+  std::vector<std::vector<std::size_t>> bucket_layout() const {
+    std::vector<std::vector<std::size_t>> out;
+    for (const auto& b : buckets_) out.push_back(b.members);
+    return out;
+  }
+
+  /// Before backward: `sync` arms the hooks (the micro-batch that steps); otherwise gradients only accumulate.
+  void prepare(bool sync) {
+    armed_ = sync;
+    if (!armed_) return;
+    next_launch_ = 0;
+    for (auto& b : buckets_) {
+      b.pending = b.members.size();
+      b.ready = false;
+      std::fill(b.arrived.begin(), b.arrived.end(), 0);
+    }
+  }
+
+  /// After backward: finishes every bucket and writes the averaged gradients into `.grad`.
+  void finish() {
+    if (!armed_) return;
+    armed_ = false;
+    for (auto& b : buckets_) {
+      if (b.ready) continue;
+      for (std::size_t k = 0; k < b.members.size(); ++k) {
+        if (b.arrived[k]) continue;
+        const torch::Tensor& g = params_[b.members[k]].grad();
+        torch::Tensor slot = b.flat.narrow(0, b.offsets[k], params_[b.members[k]].numel());
+        if (g.defined()) {
+          slot.copy_(g.reshape(-1));
+          slot.div_(world_size_);
+        } else {
+          slot.zero_();
+        }
+      }
+      b.ready = true;
+    }
+    launch_ready();
+    for (auto& b : buckets_) {
+      b.work.wait();
+      for (std::size_t k = 0; k < b.members.size(); ++k) {
+        torch::Tensor& p = params_[b.members[k]];
+        const torch::Tensor slot = b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+        torch::Tensor& g = p.mutable_grad();
+        if (g.defined()) {
+          g.copy_(slot);
+        } else {
+          g = slot.clone();
+        }
+      }
+    }
+  }
+
+ private:
+  struct Bucket {
+    std::vector<std::size_t> members;
+    std::vector<int64_t> offsets;
+    std::vector<char> arrived;
+    torch::Tensor flat;
+    std::size_t pending = 0;
+    bool ready = false;
+    typename Backend::Work work;
+  };
+
+  void build_buckets(std::size_t first_cap, std::size_t cap) {
+    bucket_of_.assign(params_.size(), 0);
+    slot_of_.assign(params_.size(), 0);
+    Bucket* open = nullptr;
+    std::size_t open_bytes = 0;
+    for (std::size_t j = params_.size(); j-- > 0;) {
+      const torch::Tensor& p = params_[j];
+      if (!p.requires_grad()) continue;
+      if (p.is_sparse()) throw std::invalid_argument("volt: DDP does not average sparse gradients.");
+      const std::size_t bytes = static_cast<std::size_t>(p.numel()) * p.element_size();
+      const std::size_t limit = buckets_.size() == 1 ? first_cap : cap;  // the open bucket is the first one
+      const bool fits = open != nullptr && open->flat.scalar_type() == p.scalar_type() &&
+                        open->flat.device() == p.device() && open_bytes + bytes <= limit;
+      if (!fits) {
+        if (open != nullptr) open->flat = torch::zeros({offset_}, open->flat.options());
+        buckets_.push_back(Bucket{});
+        open = &buckets_.back();
+        open->flat = torch::empty({0}, p.options().requires_grad(false));
+        open_bytes = 0;
+        offset_ = 0;
+      }
+      bucket_of_[j] = buckets_.size() - 1;
+      slot_of_[j] = open->members.size();
+      open->members.push_back(j);
+      open->offsets.push_back(offset_);
+      open->arrived.push_back(0);
+      offset_ += p.numel();
+      open_bytes += bytes;
+    }
+    if (open != nullptr) open->flat = torch::zeros({offset_}, open->flat.options());
+  }
+
+  void on_grad(std::size_t i, const torch::Tensor& grad) {
+    if (!armed_) return;
+    Bucket& b = buckets_[bucket_of_[i]];
+    const std::size_t k = slot_of_[i];
+    if (b.arrived[k]) return;
+    torch::NoGradGuard no_grad;
+    torch::Tensor slot = b.flat.narrow(0, b.offsets[k], grad.numel());
+    const torch::Tensor& accumulated = params_[i].grad();
+    if (accumulated.defined()) {
+      torch::add_out(slot, accumulated.reshape(-1), grad.reshape(-1));
+    } else {
+      slot.copy_(grad.reshape(-1));
+    }
+    slot.div_(world_size_);
+    b.arrived[k] = 1;
+    if (--b.pending == 0) {
+      b.ready = true;
+      launch_ready();
+    }
+  }
+
+  /// Starts every ready bucket whose predecessors have started: the same order on every rank.
+  void launch_ready() {
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
+      Bucket& b = buckets_[next_launch_++];
+      b.work = backend_->iall_reduce_(b.flat, Reduce::sum);
+    }
+  }
+
+  std::vector<torch::Tensor> params_;
+  Backend* backend_;
+  int world_size_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::size_t> bucket_of_, slot_of_;
+  std::vector<int> hooks_;
+  int64_t offset_ = 0;
+  std::size_t next_launch_ = 0;
+  bool armed_ = false;
+};
+
+}  // namespace volt::detail

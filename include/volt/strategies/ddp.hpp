@@ -1,0 +1,109 @@
+#pragma once
+/// \file
+/// `volt::DDP<Launcher, Backend>`: data parallelism, as Lightning's `ddp` / `ddp_spawn` and PyTorch's
+/// DistributedDataParallel.
+///  - set-up: the module moves to the rank's device and rank 0's parameters and buffers are broadcast;
+///  - data: `process_dataloader` shards a loader that offers `shard(rank, world_size)` (volt's loaders do:
+///    one seeded permutation per epoch shared by every rank, padded so every rank gets the same number of
+///    batches, as PyTorch's DistributedSampler); a loader without it is used as it is, and a note says so;
+///  - gradients: averaged across ranks by `detail::Reducer` (bucketed flat all-reduces started during
+///    backward), only on the micro-batch that steps when gradients accumulate;
+///  - logging with sync_dist, stop decisions and checkpoints follow the base strategy's collectives.
+/// The backend defaults to `AutoBackend`: Nccl on GPU, Mpi on CPU.
+///
+/// \code
+///   volt::Trainer<volt::DDP<volt::Spawn>, volt::Bf16Mixed, volt::GPU> trainer({.devices = 4});
+///   volt::Trainer<volt::DDP<volt::Script, volt::Mpi>, volt::Fp32, volt::CPU> cpu({.devices = 2});
+/// \endcode
+
+#include "volt/detail/reducer.hpp"
+#include "volt/launchers/script.hpp"
+#include "volt/launchers/spawn.hpp"
+#include "volt/strategies/concept.hpp"
+#include "volt/strategies/process_group.hpp"
+
+#include <torch/nn/module.h>
+
+#include <iostream>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+template <class L = Script, class B = AutoBackend>
+class DDP : public detail::ProcessGroupStrategy<L, B> {
+  using Base = detail::ProcessGroupStrategy<L, B>;
+
+ public:
+  static constexpr const char* name = "DDP";
+  /// The strategy the Trainer runs for accelerator `A` (the backend resolved).
+  template <class A>
+  using with_accelerator = DDP<L, resolve_backend_t<B, A>>;
+
+  DDP() { this->spec_.strategy = "DDP"; }
+
+  /// Moves the module and makes every rank start from rank 0's parameters and buffers.
+  void setup_module(torch::nn::Module& module) {
+    reducer_.reset();
+    module.to(this->device_);
+    torch::NoGradGuard no_grad;
+    for (auto& p : module.parameters()) this->backend().broadcast_(p, 0);
+    for (auto& b : module.buffers()) this->backend().broadcast_(b, 0);
+    params_ = module.parameters();
+  }
+
+  /// Shards loaders that can be sharded; the same per-epoch permutation on every rank.
+  template <class Loader>
+  decltype(auto) process_dataloader(Loader&& loader, Stage /*stage*/) {
+    if constexpr (requires { loader.shard(0, 1); }) {
+      return loader.shard(this->global_rank(), this->world_size());
+    } else {
+      if (!warned_ && this->is_global_zero() && this->world_size() > 1) {
+        warned_ = true;
+        std::cerr << "volt: DDP was given a loader without shard(rank, world_size); every rank iterates all of it. "
+                     "Shard it yourself, or use volt::data::TensorLoader.\n";
+      }
+      return std::forward<Loader>(loader);
+    }
+  }
+
+  /// Gradient bucket sizes in bytes (PyTorch's defaults: 1 MiB for the first bucket, 25 MiB for the rest).
+  /// Takes effect at the next fit.
+  void set_bucket_bytes(std::size_t first_bucket, std::size_t other_buckets) {
+    if (first_bucket == 0 || other_buckets == 0) {
+      throw ConfigError("volt: DDP bucket sizes must be positive, got first=" + std::to_string(first_bucket) +
+                        " and others=" + std::to_string(other_buckets) + " bytes.");
+    }
+    first_bucket_bytes_ = first_bucket;
+    bucket_bytes_ = other_buckets;
+  }
+
+  /// Before a backward: `sync` is true on the micro-batch that steps (the others only accumulate).
+  void pre_backward(bool sync) {
+    if (!reducer_) reducer_ = std::make_unique<detail::Reducer<B>>(params_, this->backend(), this->world_size(),
+                                                                 first_bucket_bytes_, bucket_bytes_);
+    reducer_->prepare(sync);
+  }
+  /// After it: gradients averaged across ranks.
+  void post_backward() { reducer_->finish(); }
+  /// After a run: gradient hooks removed (the bucket layout stays readable).
+  void teardown() {
+    if (reducer_) layout_ = reducer_->bucket_layout();
+    reducer_.reset();
+  }
+
+  /// The gradient buckets of the running or last fit (parameter indices in fill order); empty before the
+  /// first backward.
+  std::vector<std::vector<std::size_t>> bucket_layout() const { return reducer_ ? reducer_->bucket_layout() : layout_; }
+
+ private:
+  std::vector<torch::Tensor> params_;
+  std::unique_ptr<detail::Reducer<B>> reducer_;
+  std::vector<std::vector<std::size_t>> layout_;
+  std::size_t first_bucket_bytes_ = detail::kFirstBucketBytes;
+  std::size_t bucket_bytes_ = detail::kBucketBytes;
+  bool warned_ = false;
+};
+
+}  // namespace volt

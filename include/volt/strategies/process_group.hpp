@@ -1,0 +1,126 @@
+#pragma once
+/// \file
+/// What every multi-process strategy shares: the launcher, this process's place in the job, the collective
+/// backend, and the strategy hooks built on them (ranks, devices, all_reduce, decisions, barrier).
+/// `DDP` and `ManualParallel` derive from it and add what they do to modules, loaders and gradients.
+
+#include "volt/comm/concept.hpp"
+#include "volt/comm/mpi.hpp"
+#include "volt/comm/nccl.hpp"
+#include "volt/launchers/concept.hpp"
+#include "volt/options.hpp"
+
+#include <torch/types.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace volt {
+
+template <class L>
+concept Launcher = requires {
+  { L::name } -> std::convertible_to<const char*>;
+  { L::joins_external_jobs } -> std::convertible_to<bool>;
+};
+
+namespace detail {
+
+template <class L, class B>
+class ProcessGroupStrategy {
+  static_assert(Launcher<L>, "volt: the first argument of DDP<...>/ManualParallel<...> must be a launcher: Script "
+                             "(every process runs the program) or Spawn (fit runs in fresh workers).");
+
+ public:
+  using launcher_type = L;
+  using backend_type = B;
+  static constexpr bool is_distributed = true;
+
+  /// Phase (b): devices and num_nodes, and (Script) that they agree with an outside launch.
+  void check_devices(const TrainerOptions& options, int /*available: the Trainer checks it*/, const char* /*accelerator*/) {
+    if (options.devices < 1 || options.num_nodes < 1) {
+      throw ConfigError("volt: devices=" + std::to_string(options.devices) + " and num_nodes=" +
+                        std::to_string(options.num_nodes) + " must both be at least 1.");
+    }
+    spec_.devices = options.devices;
+    spec_.num_nodes = options.num_nodes;
+    if (L::joins_external_jobs && launch_role().empty()) {
+      cluster::check_against(cluster::detect(), options.devices, options.num_nodes);
+    }
+  }
+
+  /// validate/test/predict: every rank runs `body` (Spawn: here, as a world of one).
+  template <class F>
+  decltype(auto) launch(F&& body) {
+    NoTransfer* none = nullptr;
+    return launcher_.launch(spec_, procs_, std::forward<F>(body), none);
+  }
+  /// fit: `transfer` brings rank 0's result back where the launcher needs it (Spawn).
+  template <class F, class T>
+  decltype(auto) launch(F&& body, T& transfer) {
+    return launcher_.launch(spec_, procs_, std::forward<F>(body), &transfer);
+  }
+
+  /// Builds the backend for this run's processes and device (kept across runs that share both).
+  void setup_environment(torch::Device device) {
+    if (!backend_ || backend_group_ != procs_.group || device != device_) {
+      backend_.reset();
+      backend_ = std::make_unique<B>(procs_.group, device);
+      backend_group_ = procs_.group;
+    }
+    device_ = device;
+  }
+
+  int global_rank() const { return procs_.rank; }
+  int local_rank() const { return procs_.local_rank; }
+  int node_rank() const { return procs_.node_rank; }
+  int world_size() const { return procs_.world_size; }
+  bool is_global_zero() const { return procs_.rank == 0; }
+  torch::Device root_device() const { return device_; }
+  const LaunchSpec& launch_spec() const { return spec_; }
+
+  /// A reduced copy of `t` across ranks (mean divides by the world size).
+  torch::Tensor all_reduce(const torch::Tensor& t, Reduce op) {
+    torch::Tensor r = on_backend_device(t).clone();
+    backend().all_reduce_(r, op);
+    return r.to(t.device());
+  }
+  /// Every rank's `t`, stacked along a new first dimension.
+  torch::Tensor all_gather(const torch::Tensor& t) { return backend().all_gather(on_backend_device(t)).to(t.device()); }
+  /// Rank `root`'s `t` copied into `t` on every rank.
+  void broadcast_(const torch::Tensor& t, int root = 0) {
+    torch::Tensor r = on_backend_device(t);
+    backend().broadcast_(r, root);
+    if (r.unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) t.copy_(r);
+  }
+  /// all: true when every rank says true; otherwise true when any does.
+  bool reduce_boolean_decision(bool decision, bool all) {
+    torch::Tensor t = torch::full({1}, decision ? 1 : 0, torch::TensorOptions().dtype(torch::kInt32).device(device_));
+    backend().all_reduce_(t, Reduce::sum);
+    const int votes = t.item<int>();
+    return all ? votes == world_size() : votes > 0;
+  }
+  void barrier() { backend().barrier(); }
+
+  B& backend() {
+    if (!backend_) throw std::logic_error("volt: collectives were used before the strategy's set-up.");
+    return *backend_;
+  }
+
+ protected:
+  torch::Tensor on_backend_device(const torch::Tensor& t) const {
+    const bool fits = t.is_cpu() ? backend_traits<B>::supports_cpu : backend_traits<B>::supports_cuda;
+    return (fits ? t : t.to(device_)).detach();
+  }
+
+  L launcher_;
+  LaunchSpec spec_;
+  Processes procs_;
+  std::unique_ptr<B> backend_;
+  MpiGroup* backend_group_ = nullptr;
+  torch::Device device_ = torch::kCPU;
+};
+
+}  // namespace detail
+}  // namespace volt

@@ -1,0 +1,364 @@
+// Multi-process tests. One program, one scenario per command line; CTest runs each through mpirun, through
+// Script's self-relaunch or through Spawn (see CMakeLists.txt). Every rank runs the same scenario; the
+// checks run where the answer is (rank 0, or the main process under Spawn) and set the exit status.
+//
+//   distributed fit <script|spawn> [--accumulate K]   DDP weights == a one-process loop on the same global batches
+//   distributed indices <script|spawn> N              every sample seen once per epoch across ranks
+//   distributed metrics                               sync_dist values, stop decisions, all_gather/broadcast
+//   distributed fail <script|spawn> RANK STEP         rank RANK throws at step STEP (the job must end)
+//   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
+//                                                     with MESSAGE in its output and leaves no process behind
+
+#include <torch/torch.h>
+#include <volt/volt.hpp>
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+int failures = 0;
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    ++failures;
+    std::cerr << "CHECK FAILED: " << what << std::endl;
+  }
+}
+
+constexpr int64_t kBatch = 4;  // per rank
+constexpr int kWorld = 2;
+constexpr uint64_t kSeed = 11;
+
+std::pair<torch::Tensor, torch::Tensor> data(int64_t n) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto x = torch::randn({n, 4}, gen);
+  auto y = torch::sin(x.sum(1, true)) + 0.1 * torch::randn({n, 1}, gen);
+  return {x, y};
+}
+
+/// 4 -> 16 -> 8 -> 1 with tanh: a few parameters of different sizes, so small buckets split them.
+struct NetImpl : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  NetImpl() {
+    torch::manual_seed(5);
+    a = register_module("a", torch::nn::Linear(4, 16));
+    b = register_module("b", torch::nn::Linear(16, 8));
+    c = register_module("c", torch::nn::Linear(8, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return c(torch::tanh(b(torch::tanh(a(x))))); }
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    auto loss = (forward(batch.data) - batch.target).pow(2).mean();
+    ctx.log("loss", loss, {.sync_dist = true});
+    return loss;
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)); }
+};
+TORCH_MODULE(Net);
+
+/// The reference: one process, plain LibTorch. Global batch i of an epoch = rank 0's local batch i followed
+/// by rank 1's, where rank r's local order is positions r, r+2, ... of randperm(n) seeded with seed+epoch;
+/// the loss is the mean over the global batch (equal local batches make it the mean of the ranks' means).
+torch::Tensor reference_weights(int64_t n, int epochs, int accumulate) {
+  auto [x, y] = data(n);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const int64_t local = n / kWorld, batches = local / kBatch;
+  for (int e = 0; e < epochs; ++e) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(kSeed + static_cast<uint64_t>(e));
+    auto perm = torch::randperm(n, gen, torch::kLong);
+    for (int64_t i = 0; i < batches; ++i) {
+      std::vector<torch::Tensor> idx;
+      for (int r = 0; r < kWorld; ++r) {
+        auto mine = perm.slice(0, r, n, kWorld);
+        idx.push_back(mine.slice(0, i * kBatch, (i + 1) * kBatch));
+      }
+      auto id = torch::cat(idx);
+      if (i % accumulate == 0) opt.zero_grad();
+      auto loss = (net->forward(x.index_select(0, id)) - y.index_select(0, id)).pow(2).mean() / accumulate;
+      loss.backward();
+      if ((i + 1) % accumulate == 0 || i + 1 == batches) opt.step();
+    }
+  }
+  std::vector<torch::Tensor> flat;
+  for (auto& p : net->parameters()) flat.push_back(p.detach().flatten());
+  return torch::cat(flat);
+}
+
+torch::Tensor flat(torch::nn::Module& m) {
+  std::vector<torch::Tensor> v;
+  for (auto& p : m.parameters()) v.push_back(p.detach().flatten().cpu());
+  return torch::cat(v);
+}
+
+template <class L>
+int fit_scenario(int accumulate) {
+  const int64_t n = 64;
+  const int epochs = 2;
+  auto [x, y] = data(n);
+  Net net;
+  volt::Trainer<volt::DDP<L, volt::Mpi>> trainer(
+      {.devices = kWorld, .max_epochs = epochs, .accumulate_grad_batches = accumulate});
+  trainer.strategy().set_bucket_bytes(256, 512);  // several buckets for this small net
+  volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
+  const volt::FitResult result = trainer.fit(net, loader);
+  // Under Script every rank gets here; under Spawn only the main process does.
+  const bool answer_here = std::is_same_v<L, volt::Spawn> || trainer.is_global_zero();
+  if (answer_here) {
+    const torch::Tensor want = reference_weights(n, epochs, accumulate);
+    const torch::Tensor got = flat(*net);
+    const double diff = (got - want).abs().max().item<double>();
+    std::cout << "max |ddp - reference| = " << diff << std::endl;
+    check(torch::allclose(got, want, 1e-5, 1e-6), "DDP weights equal the one-process reference (max diff " + std::to_string(diff) + ")");
+    check(result.metrics.count("loss") == 1, "fit returns the logged metrics");
+  }
+  if constexpr (std::is_same_v<L, volt::Script>) {
+    if (!trainer.is_global_zero()) return failures == 0 ? 0 : 1;
+    const auto layout = trainer.strategy().bucket_layout();
+    check(layout.size() > 2, "small bucket caps give several buckets (got " + std::to_string(layout.size()) + ")");
+    check(!layout.empty() && layout.front().front() == net->parameters().size() - 1,
+          "the first bucket starts with the last parameter (reverse order)");
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+/// Records the sample indices (the data is the index) each rank sees. At every epoch's end the ranks'
+/// lists are gathered and rank 0 checks them; a wrong epoch throws, which fails the fit in every launcher
+/// (under Spawn, code after fit does not run in the workers, so the checks live inside the fit).
+struct IndexNetImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  int64_t n;
+  std::vector<int64_t> seen;
+  std::vector<std::vector<int64_t>> orders;
+  explicit IndexNetImpl(int64_t n_) : n(n_) { lin = register_module("lin", torch::nn::Linear(1, 1)); }
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context&) {
+    auto ids = batch.data.squeeze(1).to(torch::kLong);
+    for (int64_t i = 0; i < ids.size(0); ++i) seen.push_back(ids[i].item<int64_t>());
+    return lin(batch.data).sum() * 0;
+  }
+  void on_train_epoch_end(volt::Context& ctx) {
+    auto all = ctx.all_gather(torch::tensor(seen, torch::kLong));  // equal lengths: DDP pads the shards
+    seen.clear();
+    if (!ctx.is_global_zero()) return;
+    std::vector<int64_t> epoch(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
+    std::map<int64_t, int> count;
+    for (int64_t i : epoch) ++count[i];
+    int64_t extra = 0;
+    for (auto& [i, c] : count) extra += c - 1;
+    const int64_t pad = (kWorld - n % kWorld) % kWorld;
+    std::ostringstream why;
+    if (static_cast<int64_t>(count.size()) != n || count.begin()->first != 0 || count.rbegin()->first != n - 1) {
+      why << "epoch " << ctx.current_epoch() << ": " << count.size() << " distinct samples of " << n;
+    } else if (extra != pad) {
+      why << "epoch " << ctx.current_epoch() << ": " << extra << " repeats, but the padding is " << pad;
+    } else if (!orders.empty() && orders.back() == epoch) {
+      why << "epoch " << ctx.current_epoch() << " repeats the previous epoch's order";
+    }
+    if (!why.str().empty()) throw std::runtime_error("index check failed: " + why.str());
+    orders.push_back(epoch);
+    std::cout << "epoch " << ctx.current_epoch() << ": all " << n << " samples seen once across ranks (" << extra
+              << " padding repeats)" << std::endl;
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.0)); }
+};
+TORCH_MODULE(IndexNet);
+
+template <class L>
+int indices_scenario(int64_t n) {
+  auto x = torch::arange(n, torch::kFloat32).unsqueeze(1);
+  auto y = torch::zeros({n, 1});
+  IndexNet net(n);
+  volt::Trainer<volt::DDP<L>> trainer({.devices = kWorld, .max_epochs = 3});
+  volt::data::TensorLoader loader(x, y, {.batch_size = 3, .shuffle = true, .seed = 5});
+  trainer.fit(net, loader);
+  return failures == 0 ? 0 : 1;
+}
+
+/// sync_dist values, EarlyStopping agreement and the Context collectives, under mpirun.
+struct MetricNetImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  MetricNetImpl() { lin = register_module("lin", torch::nn::Linear(1, 1)); }
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    const double r = ctx.global_rank();
+    ctx.log("rank_mean", r, {.on_step = false, .on_epoch = true, .sync_dist = true});
+    ctx.log("rank_sum", r, {.on_step = false, .on_epoch = true, .reduce = volt::Reduce::sum, .sync_dist = true});
+    ctx.log("rank_max", r, {.on_step = true, .on_epoch = false, .reduce = volt::Reduce::max, .sync_dist = true});
+    ctx.log("rank_local", r, {.on_step = false, .on_epoch = true});
+    return lin(batch.data).sum() * 0;
+  }
+  void on_train_epoch_end(volt::Context& ctx) {
+    auto t = torch::full({2}, static_cast<double>(ctx.global_rank() + 1));
+    ctx.broadcast_(t, 1);
+    check(t[0].item<double>() == 2.0, "broadcast_ from rank 1");
+    auto g = ctx.all_gather(torch::tensor({static_cast<double>(ctx.global_rank())}));
+    check(g.size(0) == kWorld && g[1][0].item<double>() == 1.0, "all_gather stacks ranks in order");
+    // Only rank 1 says stop: the decision is "any", so both ranks stop after this epoch.
+    ctx.log("stop_signal", ctx.global_rank() == 1 ? 1.0 : 0.0, {.on_epoch = true, .reduce = volt::Reduce::max});
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.0)); }
+};
+TORCH_MODULE(MetricNet);
+
+int metrics_scenario() {
+  auto x = torch::zeros({16, 1}), y = torch::zeros({16, 1});
+  MetricNet net;
+  // EarlyStopping on the rank-local "stop_signal": rank 1 would stop at once (mode max, threshold), rank 0
+  // never; the decision is reduced, so both stop after epoch 0 together instead of deadlocking.
+  auto trainer = volt::make_trainer<volt::DDP<volt::Script>>(
+      {.devices = kWorld, .max_epochs = 5},
+      volt::EarlyStopping({.monitor = "stop_signal", .mode = volt::EarlyStopping::Mode::max, .stopping_threshold = 0.5}));
+  volt::data::TensorLoader loader(x, y, {.batch_size = 2});
+  auto result = trainer.fit(net, loader);
+  check(trainer.current_epoch() == 1, "every rank stops after epoch 0 (current_epoch " + std::to_string(trainer.current_epoch()) + ")");
+  check(result.metrics.at("rank_mean") == 0.5, "sync_dist mean of ranks 0 and 1 is 0.5");
+  check(result.metrics.at("rank_sum") == 4.0, "sync_dist sum: rank 1 logs 1 in each of its 4 batches, rank 0 logs 0");
+  check(result.metrics.at("rank_max") == 1.0, "sync_dist max of step values");
+  check(result.metrics.at("rank_local") == trainer.strategy().global_rank(), "without sync_dist the value stays local");
+  return failures == 0 ? 0 : 1;
+}
+
+struct FailNetImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  int fail_rank, fail_step;
+  FailNetImpl(int r, int s) : fail_rank(r), fail_step(s) { lin = register_module("lin", torch::nn::Linear(4, 1)); }
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    if (ctx.global_rank() == fail_rank && ctx.global_step() == fail_step) {
+      throw std::runtime_error("boom at step " + std::to_string(fail_step) + " on rank " + std::to_string(fail_rank));
+    }
+    return (lin(batch.data) - batch.target).pow(2).mean();
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.01)); }
+};
+TORCH_MODULE(FailNet);
+
+template <class L>
+int fail_scenario(int rank, int step) {
+  auto [x, y] = data(64);
+  FailNet net(rank, step);
+  volt::Trainer<volt::DDP<L>> trainer({.devices = kWorld, .max_epochs = 1000});
+  volt::data::TensorLoader loader(x, y, {.batch_size = 4, .shuffle = true});
+  trainer.fit(net, loader);  // throws in every process
+  std::cerr << "fit returned although a rank failed" << std::endl;
+  return 3;
+}
+
+/// Runs `argv` with its output captured; passes when it exits non-zero within `timeout` seconds, its output
+/// contains `message`, and no process carrying `token` in its command line remains afterwards.
+int expect_failure(double timeout, const std::string& message, std::vector<std::string> args, const std::string& token) {
+  const std::string out_path = std::filesystem::temp_directory_path() / ("volt_expect_" + std::to_string(::getpid()) + ".log");
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const auto start = std::chrono::steady_clock::now();
+  if (posix_spawnp(&pid, argv[0], &fa, nullptr, argv.data(), environ) != 0) {
+    std::cerr << "cannot start " << args[0] << std::endl;
+    return 1;
+  }
+  int status = 0;
+  bool timed_out = false;
+  for (;;) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
+      timed_out = true;
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::ifstream in(out_path);
+  const std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(out_path);
+  std::cout << "---- output of the failing job ----\n" << output << "---- (" << took << " s) ----" << std::endl;
+  check(!timed_out, "the job ended within " + std::to_string(timeout) + " s");
+  check(WIFEXITED(status) ? WEXITSTATUS(status) != 0 : true, "the job exited non-zero");
+  check(output.find(message) != std::string::npos, "the output carries the failing rank's message \"" + message + "\"");
+  // No process of the job may remain (give the runtime a moment to reap).
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  int left = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos || std::stoi(name) == ::getpid()) continue;
+    std::ifstream cmd(entry.path() / "cmdline", std::ios::binary);
+    std::string line((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
+    std::ifstream stat_file(entry.path() / "stat");
+    std::string stat_line;
+    std::getline(stat_file, stat_line);
+    const auto close = stat_line.rfind(')');
+    const bool zombie = close != std::string::npos && close + 2 < stat_line.size() && stat_line[close + 2] == 'Z';
+    if (!zombie && line.find(token) != std::string::npos) {
+      ++left;
+      std::replace(line.begin(), line.end(), '\0', ' ');
+      std::cerr << "left behind: pid " << name << ": " << line << std::endl;
+    }
+  }
+  check(left == 0, "no process of the job is left behind");
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  at::set_num_threads(1);  // one intra-op thread per rank: 2 ranks on 2 cores
+  std::vector<std::string> a(argv + 1, argv + argc);
+  if (a.empty()) {
+    std::cerr << "usage: see the top of test/distributed.cpp" << std::endl;
+    return 2;
+  }
+  try {
+    const std::string& what = a[0];
+    const bool spawn = a.size() > 1 && a[1] == "spawn";
+    if (what == "fit") {
+      const int k = a.size() > 3 && a[2] == "--accumulate" ? std::stoi(a[3]) : 1;
+      return spawn ? fit_scenario<volt::Spawn>(k) : fit_scenario<volt::Script>(k);
+    }
+    if (what == "indices") {
+      const int64_t n = std::stoll(a.at(2));
+      return spawn ? indices_scenario<volt::Spawn>(n) : indices_scenario<volt::Script>(n);
+    }
+    if (what == "metrics") return metrics_scenario();
+    if (what == "fail") {
+      const int rank = std::stoi(a.at(2)), step = std::stoi(a.at(3));
+      return spawn ? fail_scenario<volt::Spawn>(rank, step) : fail_scenario<volt::Script>(rank, step);
+    }
+    if (what == "expect-failure") {
+      const double timeout = std::stod(a.at(1));
+      const std::string message = a.at(2);
+      std::vector<std::string> cmd(a.begin() + 4, a.end());
+      const std::string token = "volt_fail_token_" + std::to_string(::getpid());
+      cmd.push_back(token);  // ignored by the scenario, found in /proc afterwards
+      return expect_failure(timeout, message, cmd, token);
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+  std::cerr << "unknown scenario " << a[0] << std::endl;
+  return 2;
+}

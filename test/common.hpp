@@ -5,7 +5,11 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace vt {

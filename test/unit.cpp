@@ -211,3 +211,121 @@ TEST_CASE("Context::log refuses values that cannot be logged", "[unit]") {
   state.in_batch = false;
   CHECK_THROWS_WITH(ctx.log("w", 1.0, {.on_step = true}), Contains("outside a step"));
 }
+
+// ---- distributed pieces that run in one process -------------------------------------------------------
+
+namespace {
+/// Sets environment variables for one scope, restoring what was there.
+struct EnvGuard {
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  void set(const std::string& k, const std::string& v) {
+    const char* old = std::getenv(k.c_str());
+    saved.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+    ::setenv(k.c_str(), v.c_str(), 1);
+  }
+  ~EnvGuard() {
+    for (auto it = saved.rbegin(); it != saved.rend(); ++it) {
+      if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      else ::unsetenv(it->first.c_str());
+    }
+  }
+};
+}  // namespace
+
+TEST_CASE("cluster environments: Open MPI, SLURM, torchrun variables and contradictions", "[unit][dist]") {
+  REQUIRE(std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr);  // the test itself runs plainly
+  SECTION("none") { CHECK(volt::cluster::detect().source == volt::cluster::Source::none); }
+  SECTION("Open MPI: node rank from the local size") {
+    EnvGuard g;
+    g.set("OMPI_COMM_WORLD_SIZE", "8");
+    g.set("OMPI_COMM_WORLD_RANK", "5");
+    g.set("OMPI_COMM_WORLD_LOCAL_RANK", "1");
+    g.set("OMPI_COMM_WORLD_LOCAL_SIZE", "4");
+    const auto e = volt::cluster::detect();
+    CHECK(e.source == volt::cluster::Source::open_mpi);
+    CHECK((e.world_size == 8 && e.rank == 5 && e.local_rank == 1 && e.node_rank == 1));
+    CHECK_NOTHROW(volt::cluster::check_against(e, 4, 2));
+    CHECK_THROWS_WITH(volt::cluster::check_against(e, 2, 1),
+                      Contains("started 8 processes") && Contains("devices=2 x num_nodes=1 = 2"));
+  }
+  SECTION("SLURM inside a step") {
+    EnvGuard g;
+    g.set("SLURM_STEP_NUM_TASKS", "4");
+    g.set("SLURM_PROCID", "3");
+    g.set("SLURM_LOCALID", "1");
+    g.set("SLURM_NODEID", "1");
+    const auto e = volt::cluster::detect();
+    CHECK((e.source == volt::cluster::Source::slurm && e.rank == 3 && e.local_rank == 1 && e.node_rank == 1));
+  }
+  SECTION("torchrun") {
+    EnvGuard g;
+    g.set("WORLD_SIZE", "2");
+    g.set("RANK", "1");
+    g.set("LOCAL_RANK", "1");
+    const auto e = volt::cluster::detect();
+    CHECK((e.source == volt::cluster::Source::torchrun && e.world_size == 2 && e.rank == 1));
+  }
+  SECTION("a variable that is not a number") {
+    EnvGuard g;
+    g.set("OMPI_COMM_WORLD_SIZE", "two");
+    CHECK_THROWS_WITH(volt::cluster::detect(), Contains("OMPI_COMM_WORLD_SIZE=\"two\""));
+  }
+}
+
+TEST_CASE("TensorLoader::shard splits one permutation like DistributedSampler", "[unit][data][dist]") {
+  auto x = torch::arange(10, torch::kFloat32).unsqueeze(1);
+  volt::data::TensorLoader whole(x, x, {.batch_size = 2, .shuffle = true, .seed = 4});
+  whole.set_epoch(3);
+  const auto perm = whole.order();
+  for (int world : {2, 3, 4}) {
+    std::vector<int64_t> seen;
+    int64_t batches = -1;
+    for (int r = 0; r < world; ++r) {
+      auto s = whole.shard(r, world);
+      s.set_epoch(3);
+      CHECK(s.num_samples() == (10 + world - 1) / world);
+      if (batches >= 0) CHECK(s.size() == batches);  // equal batch counts on every rank
+      batches = s.size();
+      int64_t k = 0;
+      for (auto b : s) {
+        for (int64_t i = 0; i < b.data.size(0); ++i, ++k) {
+          const int64_t idx = b.data[i][0].item<int64_t>();
+          // position r + k*world of the padded global order (the order repeats from its start)
+          CHECK(idx == perm[(r + k * world) % 10].item<int64_t>());
+          seen.push_back(idx);
+        }
+      }
+    }
+    std::sort(seen.begin(), seen.end());
+    CHECK(std::unique(seen.begin(), seen.end()) - seen.begin() == 10);
+  }
+  CHECK_THROWS_WITH(whole.shard(2, 2), Contains("rank=2, world_size=2"));
+}
+
+TEST_CASE("DDP at world size 1 (MPI singleton, real reducer) trains as SingleDevice", "[unit][dist]") {
+  auto [x, y] = vt::regression_data(64);
+  vt::Regressor a, b;
+  vt::copy_weights(*a, *b);
+  volt::Trainer<volt::SingleDevice> single({.max_epochs = 2, .accumulate_grad_batches = 2});
+  volt::Trainer<volt::DDP<volt::Script>> ddp({.max_epochs = 2, .accumulate_grad_batches = 2});
+  single.fit(a, volt::data::TensorLoader(x, y, {.batch_size = 8, .shuffle = true, .seed = 2}));
+  ddp.fit(b, volt::data::TensorLoader(x, y, {.batch_size = 8, .shuffle = true, .seed = 2}));
+  CHECK(ddp.strategy().world_size() == 1);
+  CHECK(ddp.strategy().bucket_layout().size() == 1);  // two small parameters: one bucket
+  CHECK(torch::allclose(vt::flat_params(*a), vt::flat_params(*b), 1e-6, 1e-7));
+  CHECK(volt::detail::MpiRuntime::instance().initialized());
+}
+
+TEST_CASE("Spawn refuses to run inside a job started by mpirun", "[unit][dist]") {
+  {
+    EnvGuard g;
+    g.set("OMPI_COMM_WORLD_SIZE", "2");
+    g.set("OMPI_COMM_WORLD_RANK", "0");
+    auto [x, y] = vt::regression_data(16);
+    vt::Regressor m;
+    volt::Trainer<volt::DDP<volt::Spawn>> t({.devices = 2});
+    CHECK_THROWS_WITH(t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8})),
+                      Contains("DDP<Spawn> inside a job started by Open MPI") && Contains("Use DDP<Script>"));
+  }
+  CHECK_FALSE(volt::Spawn::is_worker());
+}

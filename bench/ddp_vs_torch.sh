@@ -13,18 +13,17 @@ if ! /usr/bin/python3 -c "import torch.distributed" 2>/dev/null; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-torch
 fi
-volt=(); torch=()
+lines=$(mktemp)
+trap 'rm -f "$lines"' EXIT
 for ((r = 1; r <= rounds; r++)); do
-  v=$(mpirun --allow-run-as-root --oversubscribe -np 2 "$build/bench/ddp" two-rank --steps "$steps" | grep '"impl":"volt"')
-  t=$(OMP_NUM_THREADS=1 /usr/bin/python3 "$here/ddp_vs_torch.py" "$steps" | grep torch_ddp_gloo)
-  echo "$v"; echo "$t"
-  volt+=("$(sed 's/.*"steps_per_s":\([0-9.e+-]*\).*/\1/' <<<"$v")")
-  torch+=("$(sed 's/.*"steps_per_s":\([0-9.e+-]*\).*/\1/' <<<"$t")")
+  mpirun --allow-run-as-root --oversubscribe -np 2 "$build/bench/ddp" two-rank --steps "$steps" | grep '"impl":"volt"' | tee -a "$lines"
+  OMP_NUM_THREADS=1 /usr/bin/python3 "$here/ddp_vs_torch.py" "$steps" | grep torch_ddp_gloo | tee -a "$lines"
 done
-/usr/bin/python3 - "${volt[*]}" "${torch[*]}" <<'PY'
+/usr/bin/python3 - "$lines" <<'PY'
 import json, statistics, sys
-v = [float(x) for x in sys.argv[1].split()]
-t = [float(x) for x in sys.argv[2].split()]
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+v = [r["steps_per_s"] for r in runs if r["impl"] == "volt"]
+t = [r["steps_per_s"] for r in runs if r["impl"] == "torch_ddp_gloo"]
 ratios = [a / b for a, b in zip(v, t)]
 print(json.dumps({"bench": "ddp_two_rank_vs_torch_gloo", "rounds": len(v),
                   "volt_steps_per_s": statistics.median(v), "torch_steps_per_s": statistics.median(t),

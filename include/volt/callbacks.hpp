@@ -4,4 +4,5 @@
 #include "volt/callbacks/csv_logger.hpp"
 #include "volt/callbacks/early_stopping.hpp"
 #include "volt/callbacks/learning_rate_monitor.hpp"
+#include "volt/callbacks/model_checkpoint.hpp"
 #include "volt/callbacks/progress_bar.hpp"

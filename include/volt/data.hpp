@@ -1,3 +1,5 @@
 #pragma once
-/// \file Loaders shipped with volt.
+/// \file Loaders shipped with volt: stateful, shardable, resumable (see data/stateful.hpp).
+#include "volt/data/dataset_loader.hpp"
+#include "volt/data/stateful.hpp"
 #include "volt/data/tensor_loader.hpp"

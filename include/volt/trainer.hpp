@@ -7,7 +7,9 @@
 #include "volt/accelerators/cpu.hpp"
 #include "volt/batch.hpp"
 #include "volt/callbacks/concept.hpp"
+#include "volt/checkpoint.hpp"
 #include "volt/context.hpp"
+#include "volt/data/stateful.hpp"
 #include "volt/detail/hooks.hpp"
 #include "volt/detail/torch_compat.hpp"
 #include "volt/module.hpp"
@@ -18,6 +20,7 @@
 #include "volt/detail/fit_transfer.hpp"
 
 #include <ATen/Context.h>
+#include <c10/util/Type.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/types.h>
@@ -26,6 +29,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <functional>
+#include <iostream>
+#include <string_view>
 #include <limits>
 #include <map>
 #include <optional>
@@ -73,15 +79,28 @@ int64_t loader_size(L& loader) {
   }
 }
 
-/// Calls `f(batch, batch_idx, is_last)` for up to `limit` batches (-1: all); `f` returns false to stop.
-/// A sized loader knows its last batch; an unsized one is read one batch ahead to learn it.
+/// A loader that keeps its position (data/stateful.hpp): its next pass starts where a loaded state says.
+template <class L>
+concept PositionedLoader = requires(L& l, const L& cl, const data::LoaderState& s) {
+  { cl.state_dict() } -> std::same_as<data::LoaderState>;
+  cl.check_state(s);
+  l.load_state_dict(s);
+  { cl.batches_done() } -> std::convertible_to<int64_t>;
+};
+
+/// Calls `f(batch, batch_idx, is_last)` for batch indices `start` .. `limit` - 1 (-1: all); `f` returns
+/// false to stop. A positioned loader starts at batch `start` by itself; any other loader has its first
+/// `start` batches skipped. A sized loader knows its last batch; an unsized one is read one batch ahead.
 template <class L, class F>
-void for_each_batch(L& loader, int64_t limit, F&& f) {
-  if (limit == 0) return;
+void for_each_batch(L& loader, int64_t limit, F&& f, int64_t start = 0) {
+  if (limit == 0 || (limit > 0 && start >= limit)) return;
   auto it = loader.begin();
   auto end = loader.end();
+  if constexpr (!PositionedLoader<L>) {
+    for (int64_t i = 0; i < start && it != end; ++i) ++it;
+  }
   if constexpr (SizedLoader<L>) {
-    for (int64_t idx = 0; it != end && (limit < 0 || idx < limit); ++it, ++idx) {
+    for (int64_t idx = start; it != end && (limit < 0 || idx < limit); ++it, ++idx) {
       auto&& batch = *it;
       if (!f(batch, idx, idx + 1 == limit)) return;
     }
@@ -90,7 +109,7 @@ void for_each_batch(L& loader, int64_t limit, F&& f) {
     using B = std::remove_cvref_t<decltype(*it)>;
     std::optional<B> current(std::in_place, *it);
     ++it;
-    for (int64_t idx = 0;; ++idx) {
+    for (int64_t idx = start;; ++idx) {
       const bool last = it == end || (limit >= 0 && idx + 1 >= limit);
       if (!f(*current, idx, last) || last) return;
       current.emplace(*it);
@@ -108,6 +127,11 @@ int64_t batch_size_of(const void* batch) {
 template <class C, class T>
 concept LoggerCallback = requires(C& cb, T& trainer, const std::map<std::string, double>& metrics) {
   cb.on_log_metrics(trainer, metrics, int64_t{});
+};
+
+/// LibTorch's schedulers keep their step count protected and have no save/load; a checkpoint needs it.
+struct SchedulerAccess : torch::optim::LRScheduler {
+  static unsigned& step_count(torch::optim::LRScheduler& s) { return s.*(&SchedulerAccess::step_count_); }
 };
 
 /// InferenceMode or NoGradGuard, chosen at run time.
@@ -184,9 +208,14 @@ class Trainer {
 
   // ---- runs -------------------------------------------------------------------------------------------
 
-  /// Trains `module` on `train_loader`, validating on `val_loader` as the options say.
+  /// Trains `module` on `train_loader`, validating on `val_loader` as the options say. With `ckpt_path`,
+  /// resumes from a checkpoint: a file, `"last"` (the newest a ModelCheckpoint wrote; a fresh start when
+  /// there is none yet) or `"best"` (its best). Everything the checkpoint holds is restored — weights,
+  /// optimizer, scheduler, precision, counters, the training loader's position, metric sums, generators,
+  /// callbacks — so the fit goes on as if it had never stopped. Without a validation loader pass
+  /// `volt::NoLoader{}` before the path.
   template <class M, class TrainLoader, class ValLoader = NoLoader>
-  FitResult fit(M& module, TrainLoader&& train_loader, ValLoader&& val_loader = {}) {
+  FitResult fit(M& module, TrainLoader&& train_loader, ValLoader&& val_loader = {}, std::string ckpt_path = {}) {
     static_assert(Module<M>,
                   "volt: fit needs a torch::nn::Module (or its TORCH_MODULE holder) with configure_optimizers() "
                   "returning an optimizer, a shared_ptr/unique_ptr to one, or a volt::OptimizerConfig.");
@@ -206,9 +235,9 @@ class Trainer {
       auto& train = detail::deref_loader(train_loader);
       if constexpr (has_val) {
         auto& val = detail::deref_loader(val_loader);
-        run_fit(impl, train, &val);
+        run_fit(impl, train, &val, ckpt_path);
       } else {
-        run_fit(impl, train, static_cast<NoLoader*>(nullptr));
+        run_fit(impl, train, static_cast<NoLoader*>(nullptr), ckpt_path);
       }
       return FitResult{callback_metric_values(), best_model_path()};
     };
@@ -269,6 +298,38 @@ class Trainer {
   /// Batches of the running (or last) evaluation run (-1: until the loader ends).
   int64_t num_eval_batches() const { return num_eval_batches_; }
   bool fast_dev_run() const { return options_.fast_dev_run > 0; }
+
+  /// Whether a fit is running (callbacks that act only while fitting ask).
+  bool fitting() const { return fitting_; }
+
+  /// Writes a checkpoint of the running (or last) fit to `path` (see volt/checkpoint.hpp for what it
+  /// holds); `weights_only` keeps the module's parameters and buffers only. Every rank must call it: each
+  /// contributes its generator states, rank zero writes the file atomically, and all wait for the write.
+  void save_checkpoint(const std::string& path, bool weights_only = false) {
+    if (module_ == nullptr) {
+      throw std::logic_error("volt: save_checkpoint(\"" + path + "\") was called before any fit: there is no module to save yet.");
+    }
+    if (path.empty()) throw std::invalid_argument("volt: save_checkpoint needs a file path; got an empty string.");
+    if constexpr (requires { strategy_type::replicates_module; }) {
+      if (!strategy_type::replicates_module && strategy_.world_size() > 1) {
+        throw CheckpointError(std::string("volt: ") + strategy_type::name +
+                              " lets each rank hold different parameters, and a checkpoint is one file written by "
+                              "rank zero; save each rank's weights yourself (checkpoint::module_state) instead of " +
+                              path + ".");
+      }
+    }
+    std::vector<at::Tensor> rng;
+    if (!weights_only) {
+      for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
+    }
+    if (strategy_.is_global_zero()) {
+      checkpoint::Dict d = checkpoint::make_dict();
+      d.insert("state_dict", checkpoint::module_state(*module_));
+      if (!weights_only) add_training_state(d, rng);
+      checkpoint::save(path, std::move(d));
+    }
+    strategy_.barrier();
+  }
 
   /// Asks the training loop to stop (honoured once min_epochs and min_steps are met).
   void request_stop() { should_stop_ = true; }
@@ -474,6 +535,294 @@ class Trainer {
     metrics.clear();
   }
 
+  // ---- checkpoints -------------------------------------------------------------------------------
+
+  /// Every rank's copy of `t` stacked in rank order ([world_size, ...]).
+  at::Tensor gather_ranks(const at::Tensor& t) {
+    if constexpr (requires { strategy_.all_gather(t); }) {
+      if (strategy_.world_size() > 1) return strategy_.all_gather(t).cpu();
+    }
+    return t.unsqueeze(0).cpu();
+  }
+
+  /// Where the loops stand, in the terms a resumed fit needs (see restore()).
+  checkpoint::Dict loop_counters() const {
+    int64_t batch_in_epoch = 0, total = total_batch_idx_;
+    bool finished = false, val_pending = false;
+    if (in_epoch_end_) {
+      finished = true;
+      batch_in_epoch = batches_this_epoch_;
+    } else if (in_train_batch_) {  // saved during a batch (its end hooks, or its validation): resume after it
+      batch_in_epoch = train_batch_idx_ + 1;
+      total = total_batch_idx_ + 1;
+      val_pending = should_check_val(train_batch_idx_, train_is_last_) && !val_started_;
+    }
+    checkpoint::Dict d = checkpoint::make_dict();
+    d.insert("epoch", state_.current_epoch);
+    d.insert("global_step", state_.global_step);
+    d.insert("batch_in_epoch", batch_in_epoch);
+    d.insert("total_batch_idx", total);
+    d.insert("epoch_finished", finished);
+    d.insert("val_pending", val_pending);
+    d.insert("should_stop", should_stop_);
+    d.insert("world_size", static_cast<int64_t>(strategy_.world_size()));
+    return d;
+  }
+
+  static c10::impl::GenericList metric_store_state(detail::MetricStore& store) {
+    c10::impl::GenericList out(c10::AnyType::get());
+    for (const auto& e : store.entries()) {
+      checkpoint::Dict d = checkpoint::make_dict();
+      d.insert("name", e.name);
+      d.insert("on_step", e.on_step);
+      d.insert("on_epoch", e.on_epoch);
+      d.insert("prog_bar", e.prog_bar);
+      d.insert("logger", e.logger);
+      d.insert("sync_dist", e.sync_dist);
+      d.insert("reduce", static_cast<int64_t>(e.reduce));
+      d.insert("accumulated", e.accumulated.defined() ? c10::IValue(e.accumulated.cpu()) : c10::IValue());
+      d.insert("weight", e.weight);
+      out.push_back(d);
+    }
+    return out;
+  }
+  static std::vector<detail::MetricEntry> metric_entries(const c10::IValue& v, const std::string& path) {
+    std::vector<detail::MetricEntry> out;
+    for (const auto& item : v.toListRef()) {
+      const auto d = item.toGenericDict();
+      auto b = [&](const char* k) { return checkpoint::entry(d, k, path).toBool(); };
+      detail::MetricEntry e;
+      e.name = checkpoint::entry(d, "name", path).toStringRef();
+      e.on_step = b("on_step");
+      e.on_epoch = b("on_epoch");
+      e.prog_bar = b("prog_bar");
+      e.logger = b("logger");
+      e.sync_dist = b("sync_dist");
+      e.reduce = static_cast<Reduce>(checkpoint::entry(d, "reduce", path).toInt());
+      const c10::IValue acc = checkpoint::entry(d, "accumulated", path);
+      if (acc.isTensor()) e.accumulated = acc.toTensor();
+      e.weight = checkpoint::entry(d, "weight", path).toDouble();
+      out.push_back(std::move(e));
+    }
+    return out;
+  }
+
+  /// The key of a callback's state: its `state_key()`, else its type's name.
+  template <class C>
+  static std::string callback_key(const C& cb) {
+    if constexpr (requires { { cb.state_key() } -> std::convertible_to<std::string>; }) {
+      return cb.state_key();
+    } else {
+      return c10::demangle(typeid(C).name());
+    }
+  }
+  template <class C>
+  static constexpr bool stateful_callback = requires(const C& c) { c.state_dict(); };
+
+  template <class C>
+  static c10::IValue callback_state(const C& cb) {
+    auto st = cb.state_dict();
+    if constexpr (std::is_same_v<decltype(st), std::map<std::string, double>>) {
+      return checkpoint::from_map(st);
+    } else {
+      return c10::IValue(st);
+    }
+  }
+  template <class C>
+  static void load_callback_state(C& cb, const c10::IValue& v, const std::string& path) {
+    if constexpr (requires(const std::map<std::string, double>& m) { cb.load_state_dict(m); }) {
+      cb.load_state_dict(checkpoint::to_map(v.toGenericDict(), path));
+    } else {
+      cb.load_state_dict(v.toGenericDict());
+    }
+  }
+
+  void add_training_state(checkpoint::Dict& d, const std::vector<at::Tensor>& rng) {
+    c10::List<at::Tensor> optimizers;
+    if (optim_.optimizer) optimizers.push_back(checkpoint::optimizer_state(*optim_.optimizer));
+    d.insert("optimizer_states", optimizers);
+    c10::impl::GenericList schedulers(c10::AnyType::get());
+    if (optim_.scheduler) {
+      checkpoint::Dict sd = checkpoint::make_dict();
+      sd.insert("step_count", static_cast<int64_t>(detail::SchedulerAccess::step_count(*optim_.scheduler)));
+      schedulers.push_back(sd);
+    }
+    d.insert("lr_schedulers", schedulers);
+    d.insert("precision", checkpoint::from_map(precision_.state_dict()));
+    d.insert("loops", loop_counters());
+    if (train_loader_state_) {
+      checkpoint::Dict loaders = checkpoint::make_dict();
+      loaders.insert("train", checkpoint::from_loader_state(train_loader_state_()));
+      d.insert("loaders", loaders);
+    }
+    d.insert("metrics", metric_store_state(train_store_));
+    checkpoint::Dict r = checkpoint::make_dict();
+    r.insert("cpu", rng.at(0));
+    c10::List<at::Tensor> cuda;
+    for (std::size_t i = 1; i < rng.size(); ++i) cuda.push_back(rng[i]);
+    r.insert("cuda", cuda);
+    d.insert("rng", r);
+    checkpoint::Dict cbs = checkpoint::make_dict();
+    each_callback([&](auto& cb) {
+      using C = std::remove_cvref_t<decltype(cb)>;
+      if constexpr (stateful_callback<C>) {
+        std::string key = callback_key(cb);
+        for (int n = 2; cbs.contains(key); ++n) key = callback_key(cb) + "#" + std::to_string(n);
+        cbs.insert(key, callback_state(cb));
+      }
+    });
+    d.insert("callbacks", cbs);
+  }
+
+  /// `"last"` and `"best"` through the ModelCheckpoint callbacks; any other path as it is. "" for a
+  /// "last" that finds nothing yet (a fresh start, as Lightning).
+  std::string resolve_ckpt_path(const std::string& path) const {
+    if (path != "last" && path != "best") return path;
+    bool any = false;
+    std::string found;
+    std::apply([&](const auto&... cb) {
+      auto one = [&](const auto& c) {
+        if constexpr (requires { c.find_last_checkpoint(*this); }) {
+          any = true;
+          if (!found.empty()) return;
+          if (path == "last") {
+            found = c.find_last_checkpoint(*this);
+          } else if (!c.best_model_path().empty()) {
+            found = c.best_model_path();
+          } else if (const std::string last = c.find_last_checkpoint(*this); !last.empty()) {
+            // A new process: the best path is in the callback's state inside its newest checkpoint.
+            const checkpoint::Dict d = checkpoint::read(last);
+            if (d.contains("callbacks")) {
+              const auto cbs = d.at("callbacks").toGenericDict();
+              const std::string key = callback_key(c);
+              if (cbs.contains(key)) found = cbs.at(key).toGenericDict().at("best_model_path").toStringRef();
+            }
+          }
+        }
+      };
+      (one(cb), ...);
+      (void)one;
+    }, callbacks_);
+    if (!any) {
+      throw ConfigError("volt: fit(..., ckpt_path=\"" + path + "\") looks for checkpoints through a ModelCheckpoint "
+                        "callback, and this Trainer has none. Add one, or give the checkpoint's file path.");
+    }
+    if (found.empty() && path == "best") {
+      throw CheckpointError("volt: fit(..., ckpt_path=\"best\"): no best checkpoint is known yet (no ModelCheckpoint "
+                            "has saved one with a monitor, and its folder holds no checkpoint naming one).");
+    }
+    if (found.empty() && strategy_.is_global_zero()) {
+      std::cerr << "volt: fit(..., ckpt_path=\"last\"): no checkpoint was found yet; training starts from the beginning.\n";
+    }
+    return found;
+  }
+
+  /// Loads everything a full checkpoint holds, after checking all of it: on any error nothing is changed.
+  template <class Impl, class TL>
+  void restore(Impl& module, TL& train_loader, const std::string& path) {
+    const checkpoint::Dict d = checkpoint::read(path);
+    const checkpoint::Dict weights = checkpoint::entry(d, "state_dict", path).toGenericDict();
+    checkpoint::check_module_state(module, weights, path);
+    if (!d.contains("loops")) {
+      throw CheckpointError("volt: " + path + " holds weights only (saved with weights_only), which cannot resume a "
+                            "fit. Load them with volt::load_weights(module, path), or resume from a full checkpoint.");
+    }
+    const checkpoint::Dict loops = d.at("loops").toGenericDict();
+    auto loop_int = [&](const char* k) { return checkpoint::entry(loops, k, path).toInt(); };
+    auto loop_bool = [&](const char* k) { return checkpoint::entry(loops, k, path).toBool(); };
+    Resume r;
+    const int64_t epoch = loop_int("epoch"), step = loop_int("global_step"), total = loop_int("total_batch_idx");
+    r.batch_in_epoch = loop_int("batch_in_epoch");
+    r.epoch_finished = loop_bool("epoch_finished");
+    r.val_pending = loop_bool("val_pending");
+    r.world_size = static_cast<int>(loop_int("world_size"));
+    const bool should_stop = loop_bool("should_stop");
+
+    std::optional<data::LoaderState> loader_state;
+    if constexpr (detail::PositionedLoader<TL>) {
+      if (d.contains("loaders") && d.at("loaders").toGenericDict().contains("train")) {
+        loader_state = checkpoint::to_loader_state(d.at("loaders").toGenericDict().at("train").toGenericDict(), path);
+        try {
+          train_loader.check_state(*loader_state);
+        } catch (const std::invalid_argument& e) {
+          throw CheckpointError("volt: the training loader cannot resume from " + path + ": " + std::string(e.what()).substr(6));
+        }
+      }
+    }
+    const auto optimizers = checkpoint::entry(d, "optimizer_states", path).toListRef();
+    if (optimizers.size() != 1) {
+      throw CheckpointError("volt: " + path + " holds " + std::to_string(optimizers.size()) +
+                            " optimizer states; this fit has 1 optimizer.");
+    }
+    const auto schedulers = checkpoint::entry(d, "lr_schedulers", path).toListRef();
+    if (schedulers.size() != (optim_.scheduler ? 1u : 0u)) {
+      throw CheckpointError("volt: " + path + " holds " + std::to_string(schedulers.size()) +
+                            " learning-rate scheduler states; this fit has " + (optim_.scheduler ? "1" : "none") +
+                            ". Resume with the configure_optimizers that wrote it.");
+    }
+    auto metrics = metric_entries(checkpoint::entry(d, "metrics", path), path);
+    const checkpoint::Dict rng = checkpoint::entry(d, "rng", path).toGenericDict();
+    const auto precision_state = checkpoint::to_map(checkpoint::entry(d, "precision", path).toGenericDict(), path);
+    const checkpoint::Dict callback_states = checkpoint::entry(d, "callbacks", path).toGenericDict();
+
+    // What can still refuse the state (the optimizer, the precision, callbacks) goes first, with backups.
+    const at::Tensor optimizer_backup = checkpoint::optimizer_state(*optim_.optimizer);
+    const auto precision_backup = precision_.state_dict();
+    std::vector<std::function<void()>> undo;
+    checkpoint::load_optimizer_state(*optim_.optimizer, optimizers[0].toTensor(), path);
+    try {
+      if (!precision_state.empty()) precision_.load_state_dict(precision_state);
+      std::map<std::string, int> seen;
+      each_callback([&](auto& cb) {
+        using C = std::remove_cvref_t<decltype(cb)>;
+        if constexpr (stateful_callback<C>) {
+          std::string key = callback_key(cb);
+          if (const int n = ++seen[key]; n > 1) key += "#" + std::to_string(n);
+          if (!callback_states.contains(key)) return;
+          auto backup = callback_state(cb);
+          load_callback_state(cb, callback_states.at(key), path);
+          undo.push_back([&cb, backup, path] { load_callback_state(cb, backup, path); });
+        }
+      });
+    } catch (const std::exception& e) {
+      for (auto& u : undo) u();
+      precision_.load_state_dict(precision_backup);
+      checkpoint::load_optimizer_state(*optim_.optimizer, optimizer_backup, path);
+      throw CheckpointError("volt: " + path + " could not be loaded (" + std::string(e.what()) + "); nothing was changed.");
+    }
+
+    // The rest cannot fail any more.
+    if (optim_.scheduler) {
+      detail::SchedulerAccess::step_count(*optim_.scheduler) =
+          static_cast<unsigned>(schedulers[0].toGenericDict().at("step_count").toInt());
+    }
+    checkpoint::load_module_state(module, weights);
+    if constexpr (detail::PositionedLoader<TL>) {
+      if (loader_state) train_loader.load_state_dict(*loader_state);
+    }
+    r.loader_positioned = loader_state.has_value();
+    state_.current_epoch = epoch;
+    state_.global_step = step;
+    total_batch_idx_ = total;
+    should_stop_ = should_stop;
+    train_store_.clear();
+    for (auto& e : metrics) {
+      if (e.accumulated.defined()) e.accumulated = e.accumulated.to(state_.device);
+      train_store_.entries().push_back(std::move(e));
+    }
+    const int rank = strategy_.global_rank();
+    auto row = [&](const at::Tensor& all) { return all.select(0, rank < all.size(0) ? rank : 0).contiguous(); };
+    r.rng.push_back(row(checkpoint::entry(rng, "cpu", path).toTensor()));
+    for (const auto& t : checkpoint::entry(rng, "cuda", path).toListRef()) r.rng.push_back(row(t.toTensor()));
+    if (!r.loader_positioned && r.world_size != strategy_.world_size() && r.batch_in_epoch > 0 && !r.epoch_finished &&
+        strategy_.is_global_zero()) {
+      std::cerr << "volt: " << path << " was saved mid-epoch on " << r.world_size << " ranks and resumes on "
+                << strategy_.world_size() << "; the training loader keeps no position (use a volt::data loader), so "
+                << r.batch_in_epoch << " batches of each rank's shard are skipped, which is not the same samples.\n";
+    }
+    resume_ = std::move(r);
+  }
+
   // ---- fit ----------------------------------------------------------------------------------------
 
   bool can_stop_early() const {
@@ -527,19 +876,38 @@ class Trainer {
   }
 
   template <class Impl, class TL, class VL>
-  void run_fit(Impl& module, TL& train, VL* val) {
+  void run_fit(Impl& module, TL& train, VL* val, const std::string& ckpt_path) {
     state_ = detail::LoopState{};
     should_stop_ = false;
     total_batch_idx_ = 0;
+    resume_.reset();
+    train_store_.clear();
     callback_metrics_.clear();
     progress_bar_metrics_.clear();
     logged_metrics_.clear();
     setup_run(module);
     Context ctx(state_, train_store_);
+    module_ = &module;
 
     decltype(auto) train_loader = strategy_.process_dataloader(train, Stage::train);
+    using PTL = std::remove_reference_t<decltype(train_loader)>;
+    if constexpr (detail::PositionedLoader<PTL>) {
+      train_loader_state_ = [&train_loader] { return train_loader.state_dict(); };
+    } else {
+      train_loader_state_ = nullptr;
+    }
+    fitting_ = true;
+    struct FitScope {
+      Trainer* t;
+      ~FitScope() {
+        t->fitting_ = false;
+        t->train_loader_state_ = nullptr;
+        t->in_train_batch_ = t->in_epoch_end_ = false;
+      }
+    } scope{this};
 
     try {
+      const std::string resume_from = ckpt_path.empty() ? std::string() : resolve_ckpt_path(ckpt_path);
       each_callback([&](auto& cb) { detail::callback_hook::setup(cb, *this, module, Stage::train); });
       detail::module_hook::setup(module, ctx, Stage::train);
       optim_ = detail::to_optimizer_config(module.configure_optimizers());
@@ -556,9 +924,11 @@ class Trainer {
         decltype(auto) val_loader = strategy_.process_dataloader(*val, Stage::validate);
         using V = std::remove_reference_t<decltype(val_loader)>;
         resolve_fit_sizes(detail::loader_size(train_loader), &val_loader);
+        if (!resume_from.empty()) restore(module, train_loader, resume_from);
         fit_loops(module, ctx, train_loader, static_cast<V*>(&val_loader));
       } else {
         resolve_fit_sizes(detail::loader_size(train_loader), static_cast<NoLoader*>(nullptr));
+        if (!resume_from.empty()) restore(module, train_loader, resume_from);
         fit_loops(module, ctx, train_loader, static_cast<NoLoader*>(nullptr));
       }
 
@@ -597,18 +967,42 @@ class Trainer {
     each_callback([&](auto& cb) { detail::callback_hook::on_train_start(cb, *this, module); });
     detail::module_hook::on_train_start(module, ctx);
 
+    if (resume_) {  // the generators as they were at the save; an epoch saved from its end hooks is closed
+      checkpoint::set_rng_states(resume_->rng);
+      if (resume_->epoch_finished) {
+        resume_.reset();
+        close_epoch();
+      }
+    }
+
     while (!fit_done()) {
       if constexpr (requires { train.set_epoch(int64_t{}); }) train.set_epoch(state_.current_epoch);
-      train_store_.clear();
+      const bool resuming = resume_.has_value();
+      if (!resuming) train_store_.clear();  // a resumed epoch keeps the metric sums of its first part
       state_.stage = Stage::train;
       each_callback([&](auto& cb) { detail::callback_hook::on_train_epoch_start(cb, *this, module); });
       detail::module_hook::on_train_epoch_start(module, ctx);
 
-      detail::for_each_batch(train, num_training_batches_, [&](auto&& batch, int64_t batch_idx, bool is_last) {
-        return train_batch(module, ctx, batch, batch_idx, is_last, val);
-      });
+      int64_t start = 0;
+      if (resuming) {
+        start = resume_->batch_in_epoch;
+        if constexpr (detail::PositionedLoader<TL>) {
+          if (resume_->loader_positioned) start = train.batches_done();
+        }
+        if (resume_->val_pending) run_validation(module, val);  // the check of the batch the save followed
+        resume_.reset();
+      }
+      batches_this_epoch_ = start;
+      detail::for_each_batch(
+          train, num_training_batches_,
+          [&](auto&& batch, int64_t batch_idx, bool is_last) {
+            batches_this_epoch_ = batch_idx + 1;
+            return train_batch(module, ctx, batch, batch_idx, is_last, val);
+          },
+          start);
 
       // Epoch end: callbacks, the module, then callbacks that monitor metrics (they see its logs).
+      in_epoch_end_ = true;
       publish_epoch(train_store_, nullptr);
       each_callback_monitoring<false>([&](auto& cb) { detail::callback_hook::on_train_epoch_end(cb, *this, module); });
       detail::module_hook::on_train_epoch_end(module, ctx);
@@ -616,11 +1010,8 @@ class Trainer {
       publish_epoch(train_store_, &epoch_log);
       each_callback_monitoring<true>([&](auto& cb) { detail::callback_hook::on_train_epoch_end(cb, *this, module); });
       send_to_loggers(epoch_log);
-      if (optim_.scheduler && optim_.interval == Interval::epoch && (state_.current_epoch + 1) % optim_.frequency == 0) {
-        optim_.scheduler->step();
-      }
-      ++state_.current_epoch;
-      should_stop_ = strategy_.reduce_boolean_decision(should_stop_, /*all=*/false);
+      in_epoch_end_ = false;
+      close_epoch();
     }
 
     each_callback([&](auto& cb) { detail::callback_hook::on_train_end(cb, *this, module); });
@@ -629,10 +1020,38 @@ class Trainer {
     detail::module_hook::on_fit_end(module, ctx);
   }
 
+  /// After an epoch's end hooks: the epoch-interval scheduler step, the next epoch, the stop decision.
+  void close_epoch() {
+    if (optim_.scheduler && optim_.interval == Interval::epoch && (state_.current_epoch + 1) % optim_.frequency == 0) {
+      optim_.scheduler->step();
+    }
+    ++state_.current_epoch;
+    should_stop_ = strategy_.reduce_boolean_decision(should_stop_, /*all=*/false);
+  }
+
+  template <class Impl, class VL>
+  void run_validation(Impl& module, VL* val) {
+    if constexpr (!std::is_same_v<VL, NoLoader>) {
+      run_eval_loop(module, *val, Stage::validate, num_val_batches_);
+      module.train();
+      state_.stage = Stage::train;
+    }
+  }
+
   /// One training batch: step, maybe optimizer step, hooks, metrics, maybe validation.
   /// Returns false when the epoch should end here.
   template <class Impl, class B, class VL>
   bool train_batch(Impl& module, Context& ctx, B& batch, int64_t batch_idx, bool is_last, VL* val) {
+    struct InBatch {  // what a checkpoint taken during this batch records
+      Trainer* t;
+      InBatch(Trainer* trainer, int64_t idx, bool last) : t(trainer) {
+        t->in_train_batch_ = true;
+        t->train_batch_idx_ = idx;
+        t->train_is_last_ = last;
+        t->val_started_ = false;
+      }
+      ~InBatch() { t->in_train_batch_ = false; }
+    } in_batch(this, batch_idx, is_last);
     enter_batch(batch, batch_idx);
     each_callback([&](auto& cb) { detail::callback_hook::on_train_batch_start(cb, *this, module, batch, batch_idx); });
     if constexpr (!std::is_void_v<decltype(detail::module_hook::on_train_batch_start(module, ctx, batch, batch_idx))>) {
@@ -697,12 +1116,9 @@ class Trainer {
       }
     }
 
-    if constexpr (!std::is_same_v<VL, NoLoader>) {
-      if (should_check_val(batch_idx, is_last)) {
-        run_eval_loop(module, *val, Stage::validate, num_val_batches_);
-        module.train();
-        state_.stage = Stage::train;
-      }
+    if (should_check_val(batch_idx, is_last)) {
+      val_started_ = true;
+      run_validation(module, val);
     }
     ++total_batch_idx_;
     if (max_steps_reached()) return false;
@@ -914,6 +1330,26 @@ class Trainer {
   int64_t val_check_batch_ = -1;
   int64_t total_batch_idx_ = 0;
   bool should_stop_ = false;
+
+  // Checkpoints and resuming.
+  struct Resume {
+    int64_t batch_in_epoch = 0;
+    bool epoch_finished = false;
+    bool val_pending = false;
+    bool loader_positioned = false;
+    int world_size = 1;
+    std::vector<at::Tensor> rng;
+  };
+  std::optional<Resume> resume_;
+  torch::nn::Module* module_ = nullptr;
+  std::function<data::LoaderState()> train_loader_state_;
+  bool fitting_ = false;
+  bool in_train_batch_ = false;
+  bool in_epoch_end_ = false;
+  bool train_is_last_ = false;
+  bool val_started_ = false;
+  int64_t train_batch_idx_ = 0;
+  int64_t batches_this_epoch_ = 0;
 };
 
 /// Builds a Trainer whose callback pack is deduced from the arguments:

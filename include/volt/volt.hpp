@@ -3,6 +3,7 @@
 #include "volt/accelerators.hpp"
 #include "volt/batch.hpp"
 #include "volt/callbacks.hpp"
+#include "volt/checkpoint.hpp"
 #include "volt/context.hpp"
 #include "volt/data.hpp"
 #include "volt/launchers.hpp"

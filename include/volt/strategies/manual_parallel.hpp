@@ -6,6 +6,8 @@
 /// `ctx.broadcast_`, `ctx.barrier`), and touches nothing else: the module is not moved or broadcast,
 /// loaders are used as they are, and gradients are the module's business (average them in
 /// `on_after_backward` or `on_before_optimizer_step`, by whatever count is right).
+/// Checkpoints: one file from rank zero holds only that rank's parameters, so save_checkpoint refuses
+/// with more than one rank.
 /// See examples/manual_variable_batch.cpp and examples/manual_sharded_embedding.cpp.
 
 #include "volt/launchers/script.hpp"
@@ -23,6 +25,9 @@ template <class L = Script, class B = AutoBackend>
 class ManualParallel : public detail::ProcessGroupStrategy<L, B> {
  public:
   static constexpr const char* name = "ManualParallel";
+  /// Ranks may hold different parameters: a one-file checkpoint from rank zero would lose them, so
+  /// Trainer::save_checkpoint refuses to write one when more than one rank runs.
+  static constexpr bool replicates_module = false;
   template <class A>
   using with_accelerator = ManualParallel<L, resolve_backend_t<B, A>>;
 

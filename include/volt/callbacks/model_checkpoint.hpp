@@ -1,0 +1,364 @@
+#pragma once
+
+#include "volt/callbacks/concept.hpp"
+#include "volt/checkpoint.hpp"
+#include "volt/context.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+/// Saves checkpoints while fitting, as Lightning's ModelCheckpoint:
+///  - when: every `every_n_train_steps` optimizer steps, or every `every_n_epochs` epochs (the default,
+///    1, when neither is given) — at the end of the training epoch when the fit has no validation or
+///    validates once at the end of each epoch, else after each validation run;
+///  - which: without `monitor`, the latest (`save_top_k` = 1, the previous one is deleted), all (-1) or none
+///    (0); with `monitor`, the `save_top_k` best by `mode` (a checkpoint that drops out of the top k is
+///    deleted; -1 keeps all); `save_last` also writes `last.ckpt` each time;
+///  - where: `dirpath` (default `<default_root_dir>/checkpoints`), named by `filename`, a template such as
+///    `"{epoch}-{step}-{val_loss:.3f}"` (→ `epoch=2-step=300-val_loss=0.123.ckpt`; `auto_insert_metric_name`
+///    adds the `name=`; an integer spec such as `{epoch:03d}` or a floating one such as `{val_loss:.2e}` is a
+///    printf conversion; a metric without one is printed with 4 decimals). An existing file of another
+///    run is not overwritten: the name gets `-v1`, `-v2`, ...
+/// Only rank zero writes and deletes files; every rank takes part in a save (the Trainer gathers each
+/// rank's random generator state). Its own state (best score and path, the top k, the last step saved)
+/// goes into each checkpoint, so a resumed fit keeps ranking against the earlier checkpoints.
+/// `trainer.fit(module, train, val, "last")` resumes from the newest checkpoint it wrote (a fresh start
+/// when there is none yet), `"best"` from its best.
+class ModelCheckpoint {
+ public:
+  enum class Mode { min, max };
+  struct Options {
+    /// Folder; empty: `<default_root_dir>/checkpoints`.
+    std::string dirpath;
+    /// Name template without the extension; empty: `{epoch}-{step}`.
+    std::string filename;
+    std::optional<std::string> monitor;
+    Mode mode = Mode::min;
+    int64_t save_top_k = 1;
+    bool save_last = false;
+    bool save_weights_only = false;
+    /// 0: not by steps.
+    int64_t every_n_train_steps = 0;
+    /// Unset: 1 when every_n_train_steps is 0, else 0 (not by epochs).
+    std::optional<int64_t> every_n_epochs;
+    /// Unset: true when there is no validation, or it runs once at the end of every epoch.
+    std::optional<bool> save_on_train_epoch_end;
+    bool auto_insert_metric_name = true;
+    bool verbose = false;
+  };
+
+  static constexpr bool monitors_metrics = true;
+  static constexpr const char* kLastName = "last";
+  static constexpr const char* kExtension = ".ckpt";
+
+  ModelCheckpoint() : ModelCheckpoint(Options{}) {}
+  explicit ModelCheckpoint(Options options) : options_(std::move(options)) {
+    auto fail = [](const std::string& what) { throw std::invalid_argument("volt: ModelCheckpoint " + what); };
+    if (options_.save_top_k < -1) {
+      fail("save_top_k=" + std::to_string(options_.save_top_k) +
+           " is not allowed: give -1 (keep all), 0 (none) or a number of checkpoints to keep.");
+    }
+    if (!options_.monitor && options_.save_top_k > 1) {
+      fail("save_top_k=" + std::to_string(options_.save_top_k) +
+           " needs a monitor to rank checkpoints by; without one give -1, 0 or 1.");
+    }
+    if (options_.monitor && options_.monitor->empty()) fail("monitor is an empty name; give a logged metric or leave it unset.");
+    if (options_.every_n_train_steps < 0) {
+      fail("every_n_train_steps=" + std::to_string(options_.every_n_train_steps) + " is not allowed: give a number >= 0.");
+    }
+    if (options_.every_n_epochs && *options_.every_n_epochs < 0) {
+      fail("every_n_epochs=" + std::to_string(*options_.every_n_epochs) + " is not allowed: give a number >= 0.");
+    }
+    if (options_.every_n_train_steps > 0 && options_.every_n_epochs.value_or(0) > 0) {
+      fail("every_n_train_steps=" + std::to_string(options_.every_n_train_steps) + " and every_n_epochs=" +
+           std::to_string(*options_.every_n_epochs) + " were both given; choose one.");
+    }
+    every_n_epochs_ = options_.every_n_epochs.value_or(options_.every_n_train_steps > 0 ? 0 : 1);
+    if (options_.filename.empty()) options_.filename = "{epoch}-{step}";
+  }
+
+  /// The key of its state in a checkpoint (Lightning's form).
+  std::string state_key() const {
+    std::ostringstream s;
+    s << "ModelCheckpoint{'monitor': " << (options_.monitor ? "'" + *options_.monitor + "'" : std::string("None"))
+      << ", 'mode': '" << (options_.mode == Mode::min ? "min" : "max")
+      << "', 'every_n_train_steps': " << options_.every_n_train_steps << ", 'every_n_epochs': " << every_n_epochs_
+      << "}";
+    return s.str();
+  }
+
+  // ---- hooks ----------------------------------------------------------------------------------------
+
+  template <class T, class M>
+  void setup(T& trainer, M&, Stage stage) {
+    if (stage != Stage::train) return;
+    dirpath_ = options_.dirpath.empty()
+                   ? (std::filesystem::path(trainer.options().default_root_dir) / "checkpoints").string()
+                   : options_.dirpath;
+  }
+
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
+    if (skip(trainer) || options_.every_n_train_steps < 1) return;
+    if (trainer.global_step() % options_.every_n_train_steps != 0) return;
+    save(trainer);
+  }
+
+  template <class T, class M>
+  void on_train_epoch_end(T& trainer, M&) {
+    if (skip(trainer) || !saves_on_train_epoch_end(trainer)) return;
+    if (every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save(trainer);
+  }
+
+  template <class T, class M>
+  void on_validation_end(T& trainer, M&) {
+    if (skip(trainer) || saves_on_train_epoch_end(trainer)) return;
+    if (every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save(trainer);
+  }
+
+  // ---- what it knows --------------------------------------------------------------------------------
+
+  const std::string& best_model_path() const { return best_model_path_; }
+  /// The best monitored value (NaN before the first checkpoint with a monitor).
+  double best_model_score() const { return best_score_; }
+  const std::string& last_model_path() const { return last_model_path_; }
+  /// The checkpoints kept and their monitored values.
+  const std::map<std::string, double>& best_k_models() const { return best_k_; }
+  std::string dirpath() const { return dirpath_.empty() ? options_.dirpath : dirpath_; }
+
+  /// The newest checkpoint in its folder: `last.ckpt` when there is one, else the most recently written
+  /// `.ckpt` file; "" when the folder holds none.
+  template <class T>
+  std::string find_last_checkpoint(const T& trainer) const {
+    const std::filesystem::path dir =
+        options_.dirpath.empty() ? std::filesystem::path(trainer.options().default_root_dir) / "checkpoints"
+                                 : std::filesystem::path(options_.dirpath);
+    std::error_code ec;
+    const auto last = dir / (std::string(kLastName) + kExtension);
+    if (std::filesystem::is_regular_file(last, ec)) return last.string();
+    std::string newest;
+    std::filesystem::file_time_type newest_time{};
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      if (!e.is_regular_file() || e.path().extension() != kExtension) continue;
+      const auto t = e.last_write_time(ec);
+      if (newest.empty() || t > newest_time) {
+        newest = e.path().string();
+        newest_time = t;
+      }
+    }
+    return newest;
+  }
+
+  checkpoint::Dict state_dict() const {
+    checkpoint::Dict d = checkpoint::make_dict();
+    d.insert("monitor", options_.monitor ? *options_.monitor : std::string());
+    d.insert("best_model_score", best_score_);
+    d.insert("best_model_path", best_model_path_);
+    d.insert("kth_best_model_path", kth_path_);
+    d.insert("kth_value", kth_value_);
+    d.insert("last_model_path", last_model_path_);
+    d.insert("dirpath", dirpath());
+    d.insert("last_global_step_saved", last_global_step_saved_);
+    checkpoint::Dict k = checkpoint::make_dict();
+    for (const auto& [path, score] : best_k_) k.insert(path, score);
+    d.insert("best_k_models", k);
+    return d;
+  }
+
+  void load_state_dict(const checkpoint::Dict& d) {
+    for (const char* key : {"best_model_score", "best_model_path", "kth_best_model_path", "kth_value",
+                            "last_model_path", "last_global_step_saved", "best_k_models"}) {
+      if (!d.contains(key)) {
+        throw std::invalid_argument(std::string("volt: ModelCheckpoint state has no \"") + key +
+                                    "\"; it was not saved by ModelCheckpoint.");
+      }
+    }
+    best_score_ = d.at("best_model_score").toDouble();
+    best_model_path_ = d.at("best_model_path").toStringRef();
+    kth_path_ = d.at("kth_best_model_path").toStringRef();
+    kth_value_ = d.at("kth_value").toDouble();
+    last_model_path_ = d.at("last_model_path").toStringRef();
+    last_global_step_saved_ = d.at("last_global_step_saved").toInt();
+    best_k_.clear();
+    for (const auto& e : d.at("best_k_models").toGenericDict()) best_k_.emplace(e.key().toStringRef(), e.value().toDouble());
+  }
+
+  /// The file name the template gives for these values (without the folder).
+  std::string format_name(int64_t epoch, int64_t step, const std::map<std::string, double>& metrics) const {
+    const std::string& t = options_.filename;
+    std::string out;
+    for (std::size_t i = 0; i < t.size();) {
+      if (t[i] != '{') {
+        out += t[i++];
+        continue;
+      }
+      const std::size_t close = t.find('}', i);
+      if (close == std::string::npos) {
+        throw std::invalid_argument("volt: ModelCheckpoint filename \"" + t + "\" has an unclosed '{'.");
+      }
+      std::string field = t.substr(i + 1, close - i - 1), spec;
+      if (const auto colon = field.find(':'); colon != std::string::npos) {
+        spec = field.substr(colon + 1);
+        field = field.substr(0, colon);
+      }
+      if (options_.auto_insert_metric_name) out += field + "=";
+      if (field == "epoch" || field == "step") {
+        out += format_value(static_cast<double>(field == "epoch" ? epoch : step), spec, true);
+      } else {
+        auto it = metrics.find(field);
+        if (it == metrics.end()) {
+          std::ostringstream s;
+          s << "volt: ModelCheckpoint filename \"" << t << "\" names \"" << field << "\", which was not logged. Logged:";
+          for (const auto& [k, v] : metrics) s << " " << k;
+          s << " (and epoch, step).";
+          throw std::runtime_error(s.str());
+        }
+        out += format_value(it->second, spec, false);
+      }
+      i = close + 1;
+    }
+    return out;
+  }
+
+ private:
+  template <class T>
+  bool skip(const T& trainer) const {
+    return trainer.fast_dev_run() || !trainer.fitting() || trainer.sanity_checking() ||
+           last_global_step_saved_ == trainer.global_step();
+  }
+
+  template <class T>
+  bool saves_on_train_epoch_end(const T& trainer) const {
+    if (options_.save_on_train_epoch_end) return *options_.save_on_train_epoch_end;
+    const auto& o = trainer.options();
+    if (o.check_val_every_n_epoch && *o.check_val_every_n_epoch != 1) return false;
+    if (!trainer.has_validation()) return true;
+    return o.val_check_interval.is_fraction() && o.val_check_interval.fraction() == 1.0;
+  }
+
+  static std::string format_value(double v, const std::string& spec, bool integer) {
+    char buf[64];
+    if (spec.empty()) {
+      if (integer) return std::to_string(static_cast<int64_t>(v));
+      std::snprintf(buf, sizeof buf, "%.4f", v);
+    } else if (spec.back() == 'd' || spec.back() == 'i') {
+      std::snprintf(buf, sizeof buf, ("%" + spec.substr(0, spec.size() - 1) + "lld").c_str(), static_cast<long long>(v));
+    } else {
+      std::snprintf(buf, sizeof buf, ("%" + spec).c_str(), v);
+    }
+    return buf;
+  }
+
+  bool better(double a, double b) const { return options_.mode == Mode::min ? a < b : a > b; }
+  double worst() const {
+    return options_.mode == Mode::min ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
+  }
+
+  // A free path for `name` in the folder: an existing file this callback did not write gets -v1, -v2, ...
+  std::string free_path(const std::string& name) const {
+    const std::filesystem::path dir(dirpath_);
+    std::string candidate = (dir / (name + kExtension)).string();
+    for (int v = 1; std::filesystem::exists(candidate) && !best_k_.count(candidate) && candidate != best_model_path_; ++v) {
+      candidate = (dir / (name + "-v" + std::to_string(v) + kExtension)).string();
+    }
+    return candidate;
+  }
+
+  template <class T>
+  void save(T& trainer) {
+    // Every rank decides the same way: a save on any rank is a save on all (saving is collective).
+    const bool any = trainer.strategy().reduce_boolean_decision(true, /*all=*/false);
+    if (!any) return;
+    last_global_step_saved_ = trainer.global_step();
+    const auto metrics = trainer.callback_metric_values();
+    std::vector<std::string> remove;
+    std::string written;
+    if (options_.save_top_k != 0) {
+      const std::string path = free_path(format_name(trainer.current_epoch(), trainer.global_step(), metrics));
+      if (!options_.monitor) {
+        if (options_.save_top_k == 1 && !best_model_path_.empty() && best_model_path_ != path) remove.push_back(best_model_path_);
+        best_model_path_ = path;
+        written = path;
+      } else {
+        auto it = metrics.find(*options_.monitor);
+        if (it == metrics.end()) {
+          std::ostringstream s;
+          s << "volt: ModelCheckpoint monitors \"" << *options_.monitor << "\", which was not logged. Logged:";
+          for (const auto& [k, v] : metrics) s << " " << k;
+          s << ". Log it with ctx.log(\"" << *options_.monitor << "\", ...) or change monitor.";
+          throw std::runtime_error(s.str());
+        }
+        const double current = std::isfinite(it->second) ? it->second : worst();
+        const bool full = options_.save_top_k > 0 && static_cast<int64_t>(best_k_.size()) >= options_.save_top_k;
+        if (!full || better(current, kth_value_)) {
+          if (full) {
+            remove.push_back(kth_path_);
+            best_k_.erase(kth_path_);
+          }
+          best_k_[path] = current;
+          written = path;
+          update_best();
+        }
+      }
+    }
+    std::string last;
+    if (options_.save_last) last = (std::filesystem::path(dirpath_) / (std::string(kLastName) + kExtension)).string();
+    if (!written.empty()) trainer.save_checkpoint(written, options_.save_weights_only);
+    if (!last.empty()) {
+      last_model_path_ = last;
+      trainer.save_checkpoint(last, options_.save_weights_only);
+    }
+    if (trainer.is_global_zero()) {
+      for (const auto& p : remove) {
+        if (p.empty() || p == written || p == last) continue;
+        std::error_code ec;
+        std::filesystem::remove(p, ec);
+      }
+      if (options_.verbose && !written.empty()) {
+        std::cout << "ModelCheckpoint: saved " << written << " (epoch " << trainer.current_epoch() << ", step "
+                  << trainer.global_step() << ")\n";
+      }
+    }
+  }
+
+  void update_best() {
+    kth_path_.clear();
+    best_model_path_.clear();
+    kth_value_ = best_k_.empty() ? worst() : -worst();
+    best_score_ = std::numeric_limits<double>::quiet_NaN();
+    for (const auto& [path, score] : best_k_) {
+      if (best_model_path_.empty() || better(score, best_score_)) {
+        best_model_path_ = path;
+        best_score_ = score;
+      }
+      if (kth_path_.empty() || better(kth_value_, score)) {
+        kth_path_ = path;
+        kth_value_ = score;
+      }
+    }
+  }
+
+  Options options_;
+  int64_t every_n_epochs_ = 1;
+  std::string dirpath_;
+  std::map<std::string, double> best_k_;
+  std::string best_model_path_, kth_path_, last_model_path_;
+  double best_score_ = std::numeric_limits<double>::quiet_NaN();
+  double kth_value_ = 0.0;
+  int64_t last_global_step_saved_ = -1;
+};
+
+}  // namespace volt

@@ -1,0 +1,420 @@
+#pragma once
+/// \file
+/// Checkpoint files: one file per checkpoint, in the zip format of PyTorch's `torch.save` (written with
+/// `torch::pickle_save`), so Python reads it with `torch.load(path)`:
+///
+/// | key | contents |
+/// |---|---|
+/// | `format`, `format_version` | `"volt.checkpoint"`, 1 |
+/// | `volt_version`, `torch_version` | the versions that wrote it |
+/// | `state_dict` | the module's parameters and buffers by dotted name, as `nn.Module.state_dict()`; CPU tensors |
+/// | `optimizer_states` | per optimizer, its LibTorch archive as a uint8 tensor |
+/// | `lr_schedulers` | per scheduler, `{"step_count": n}` |
+/// | `precision` | the precision's state (Fp16Mixed: the loss scaler's `scale`, `_growth_tracker`, ...) |
+/// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size` |
+/// | `loaders` | `{"train": position}` (data/stateful.hpp) when the training loader keeps one |
+/// | `metrics` | the training epoch's running metric sums, so epoch means stay whole across a resume |
+/// | `rng` | `cpu` (and `cuda`): every rank's generator state, in rank order |
+/// | `callbacks` | each stateful callback's state, by its `state_key` |
+/// | `checksum` | CRC-32 (zlib) of everything above: a flipped byte is an error, not a silently wrong weight |
+///
+/// Writes are atomic: the bytes go to `<path>.tmp.<pid>` in the same folder, are flushed to the disk
+/// (fsync), and the file is renamed over `path`; a process killed while writing leaves the previous file
+/// whole. Reads check everything before anything is loaded: a missing, empty, truncated, corrupt or foreign
+/// file is a `CheckpointError` that names the file and what is wrong.
+
+#include "volt/data/stateful.hpp"
+#include "volt/version.hpp"
+
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/version.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+#include <torch/types.h>
+#include <zlib.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace volt {
+
+/// A checkpoint could not be written or read; the message names the file.
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace checkpoint {
+
+inline constexpr const char* kFormat = "volt.checkpoint";
+inline constexpr int64_t kFormatVersion = 1;
+
+using Dict = c10::impl::GenericDict;
+
+inline Dict make_dict() { return Dict(c10::StringType::get(), c10::AnyType::get()); }
+
+namespace detail {
+
+inline uint32_t crc(uint32_t c, const void* data, std::size_t n) {
+  return static_cast<uint32_t>(crc32_z(c, static_cast<const Bytef*>(data), n));
+}
+inline uint32_t crc(uint32_t c, const std::string& s) {
+  c = crc(c, s.data(), s.size());
+  return crc(c, "\0", 1);
+}
+
+/// CRC-32 over a value's contents in a fixed order (dictionary keys sorted), so it does not depend on
+/// how the file lays them out.
+inline uint32_t checksum(const c10::IValue& v, uint32_t c) {
+  if (v.isNone()) return crc(c, "N");
+  if (v.isBool()) return crc(c, v.toBool() ? "T" : "F");
+  if (v.isInt()) {
+    const int64_t i = v.toInt();
+    return crc(crc(c, "I"), &i, sizeof i);
+  }
+  if (v.isDouble()) {
+    const double d = v.toDouble();
+    return crc(crc(c, "D"), &d, sizeof d);
+  }
+  if (v.isString()) return crc(crc(c, "S"), v.toStringRef());
+  if (v.isTensor()) {
+    const at::Tensor t = v.toTensor().cpu().contiguous();
+    c = crc(crc(c, "X"), std::string(c10::toString(t.scalar_type())));
+    for (int64_t s : t.sizes()) c = crc(c, &s, sizeof s);
+    return crc(c, t.data_ptr(), t.nbytes());
+  }
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    std::vector<std::string> keys;
+    for (const auto& e : d) keys.push_back(e.key().toStringRef());
+    std::sort(keys.begin(), keys.end());
+    c = crc(c, "{");
+    for (const auto& k : keys) c = checksum(d.at(k), crc(c, k));
+    return crc(c, "}");
+  }
+  if (v.isList()) {
+    c = crc(c, "[");
+    for (const auto& e : v.toListRef()) c = checksum(e, c);
+    return crc(c, "]");
+  }
+  throw CheckpointError("volt: a checkpoint may hold numbers, strings, tensors, lists and dictionaries; got a " +
+                        v.tagKind());
+}
+
+inline std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+[[noreturn]] inline void fail_errno(const std::string& what, const std::string& path) {
+  throw CheckpointError("volt: " + what + " " + path + " failed: " + std::strerror(errno));
+}
+
+inline void fsync_dir(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+}  // namespace detail
+
+/// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename, fsync of the
+/// folder). Creates the folder if needed.
+inline void write_atomic(const std::string& path, const char* data, std::size_t size) {
+  const std::filesystem::path target(path);
+  const std::filesystem::path dir = target.parent_path();
+  std::error_code ec;
+  if (!dir.empty()) std::filesystem::create_directories(dir, ec);
+  if (ec) throw CheckpointError("volt: cannot create the folder " + dir.string() + " for " + path + ": " + ec.message());
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) detail::fail_errno("writing the checkpoint (opening)", tmp);
+  std::size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, data + done, size - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int saved = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      errno = saved;
+      detail::fail_errno("writing the checkpoint", tmp);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const int saved = errno;
+    ::unlink(tmp.c_str());
+    errno = saved;
+    detail::fail_errno("flushing the checkpoint", tmp);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int saved = errno;
+    ::unlink(tmp.c_str());
+    errno = saved;
+    detail::fail_errno("renaming the finished checkpoint onto", path);
+  }
+  detail::fsync_dir(dir);
+}
+
+/// Stamps `contents` with the format, the versions and its checksum, and writes it atomically.
+inline void save(const std::string& path, Dict contents) {
+  contents.insert_or_assign("format", std::string(kFormat));
+  contents.insert_or_assign("format_version", kFormatVersion);
+  contents.insert_or_assign("volt_version", std::string(version_string));
+  contents.insert_or_assign("torch_version", std::string(TORCH_VERSION));
+  contents.erase("checksum");
+  const uint32_t sum = detail::checksum(contents, 0);
+  contents.insert("checksum", static_cast<int64_t>(sum));
+  std::vector<char> bytes;
+  try {
+    bytes = torch::pickle_save(contents);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("volt: serializing the checkpoint for " + path + " failed: " + detail::first_line(e.what()));
+  }
+  write_atomic(path, bytes.data(), bytes.size());
+}
+
+/// Reads and checks a checkpoint: a `CheckpointError` names the file and the fault (missing, empty, not a
+/// torch zip archive or cut short, not a volt checkpoint, a newer format, a checksum mismatch).
+inline Dict read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError("volt: no checkpoint at " + path + " (cannot open it: " + std::strerror(errno) + ").");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (bytes.empty()) throw CheckpointError("volt: the checkpoint " + path + " is empty (0 bytes).");
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    throw CheckpointError("volt: " + path + " (" + std::to_string(bytes.size()) +
+                          " bytes) is not a readable checkpoint: it is cut short or is not a torch.save archive (" +
+                          detail::first_line(e.what()) + ").");
+  }
+  if (!value.isGenericDict()) {
+    throw CheckpointError("volt: " + path + " is a torch.save file holding a " + value.tagKind() +
+                          ", not a volt checkpoint.");
+  }
+  Dict d = value.toGenericDict();
+  if (!d.contains("format") || !d.at("format").isString() || d.at("format").toStringRef() != kFormat) {
+    std::ostringstream keys;
+    int shown = 0;
+    for (const auto& e : d) {
+      if (shown++ == 8) {
+        keys << " ...";
+        break;
+      }
+      keys << " " << (e.key().isString() ? e.key().toStringRef() : e.key().tagKind());
+    }
+    throw CheckpointError("volt: " + path + " is a torch.save file but not a volt checkpoint (no \"format\": \"" +
+                          kFormat + "\"; its keys:" + keys.str() + ").");
+  }
+  const int64_t version = d.contains("format_version") && d.at("format_version").isInt() ? d.at("format_version").toInt() : -1;
+  if (version < 1 || version > kFormatVersion) {
+    throw CheckpointError("volt: " + path + " has checkpoint format version " + std::to_string(version) +
+                          "; this volt (" + version_string + ") reads versions 1 to " + std::to_string(kFormatVersion) + ".");
+  }
+  if (!d.contains("checksum") || !d.at("checksum").isInt()) {
+    throw CheckpointError("volt: " + path + " has no checksum; it was not written by volt's checkpoint::save.");
+  }
+  const auto stored = static_cast<uint32_t>(d.at("checksum").toInt());
+  Dict rest = d.copy();
+  rest.erase("checksum");
+  const uint32_t computed = detail::checksum(rest, 0);
+  if (stored != computed) {
+    std::ostringstream s;
+    s << "volt: " << path << " is corrupt: its contents do not match its checksum (stored " << stored
+      << ", computed " << computed << ").";
+    throw CheckpointError(s.str());
+  }
+  return d;
+}
+
+/// A required entry of a checkpoint dictionary, with an error naming the file when it is missing.
+inline c10::IValue entry(const Dict& d, const std::string& key, const std::string& path) {
+  if (!d.contains(key)) throw CheckpointError("volt: " + path + " has no \"" + key + "\" entry.");
+  return d.at(key);
+}
+
+// ---- pieces --------------------------------------------------------------------------------------------
+
+/// The module's parameters and buffers by dotted name (CPU tensors), as PyTorch's `state_dict()`.
+inline c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module) {
+  c10::Dict<std::string, at::Tensor> out;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) out.insert(p.key(), p.value().detach().cpu());
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    if (b.value().defined()) out.insert(b.key(), b.value().detach().cpu());
+  }
+  return out;
+}
+
+/// Throws unless `state` has exactly the module's names with the same shapes (names every difference).
+inline void check_module_state(const torch::nn::Module& module, const Dict& state, const std::string& path) {
+  std::map<std::string, at::Tensor> mine;
+  for (const auto& p : module.named_parameters(true)) mine.emplace(p.key(), p.value());
+  for (const auto& b : module.named_buffers(true)) {
+    if (b.value().defined()) mine.emplace(b.key(), b.value());
+  }
+  std::ostringstream missing, unexpected, shapes;
+  std::set<std::string> seen;
+  for (const auto& e : state) {
+    const std::string& k = e.key().toStringRef();
+    seen.insert(k);
+    auto it = mine.find(k);
+    if (it == mine.end()) {
+      unexpected << " " << k;
+    } else if (!e.value().isTensor() || e.value().toTensor().sizes() != it->second.sizes()) {
+      shapes << " " << k << " (file " << (e.value().isTensor() ? c10::str(e.value().toTensor().sizes()) : "not a tensor")
+             << ", module " << it->second.sizes() << ")";
+    }
+  }
+  for (const auto& [k, v] : mine) {
+    if (!seen.count(k)) missing << " " << k;
+  }
+  if (!missing.str().empty() || !unexpected.str().empty() || !shapes.str().empty()) {
+    std::string msg = "volt: the weights in " + path + " do not fit this module:";
+    if (!missing.str().empty()) msg += " missing" + missing.str() + ";";
+    if (!unexpected.str().empty()) msg += " not in the module" + unexpected.str() + ";";
+    if (!shapes.str().empty()) msg += " other shapes" + shapes.str() + ";";
+    throw CheckpointError(msg + " nothing was loaded.");
+  }
+}
+
+/// Copies `state` into the module (checked first with check_module_state).
+inline void load_module_state(torch::nn::Module& module, const Dict& state) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.named_parameters(true)) p.value().copy_(state.at(p.key()).toTensor());
+  for (auto& b : module.named_buffers(true)) {
+    if (b.value().defined()) b.value().copy_(state.at(b.key()).toTensor());
+  }
+}
+
+/// An optimizer's LibTorch archive (its state and its parameter groups' options) as bytes in a uint8 tensor.
+inline at::Tensor optimizer_state(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  std::ostringstream s;
+  archive.save_to(s);
+  const std::string bytes = s.str();
+  return torch::from_blob(const_cast<char*>(bytes.data()), {static_cast<int64_t>(bytes.size())}, torch::kUInt8).clone();
+}
+
+/// Loads an optimizer archive; on any failure the optimizer keeps its previous state.
+inline void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& bytes, const std::string& path) {
+  const at::Tensor backup = optimizer_state(optimizer);
+  auto load = [&](const at::Tensor& b) {
+    const at::Tensor c = b.contiguous();
+    torch::serialize::InputArchive archive;
+    archive.load_from(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel()));
+    optimizer.load(archive);
+  };
+  try {
+    load(bytes);
+  } catch (const std::exception& e) {
+    load(backup);
+    throw CheckpointError("volt: the optimizer state in " + path + " does not fit this optimizer (" +
+                          detail::first_line(e.what()) + "); nothing was loaded.");
+  }
+}
+
+inline Dict from_map(const std::map<std::string, double>& m) {
+  Dict d = make_dict();
+  for (const auto& [k, v] : m) d.insert(k, v);
+  return d;
+}
+inline std::map<std::string, double> to_map(const Dict& d, const std::string& path) {
+  std::map<std::string, double> out;
+  for (const auto& e : d) {
+    if (!e.value().isDouble() && !e.value().isInt()) {
+      throw CheckpointError("volt: " + path + ": \"" + e.key().toStringRef() + "\" should be a number.");
+    }
+    out.emplace(e.key().toStringRef(), e.value().isDouble() ? e.value().toDouble() : static_cast<double>(e.value().toInt()));
+  }
+  return out;
+}
+
+inline Dict from_loader_state(const data::LoaderState& s) {
+  Dict d = make_dict();
+  d.insert("epoch", s.epoch);
+  d.insert("consumed", s.consumed);
+  d.insert("dataset_size", s.dataset_size);
+  d.insert("batch_size", s.batch_size);
+  d.insert("seed", static_cast<int64_t>(s.seed));
+  d.insert("shuffle", s.shuffle);
+  d.insert("drop_last", s.drop_last);
+  d.insert("world_size", static_cast<int64_t>(s.world_size));
+  return d;
+}
+inline data::LoaderState to_loader_state(const Dict& d, const std::string& path) {
+  auto i = [&](const char* k) { return entry(d, k, path).toInt(); };
+  auto b = [&](const char* k) { return entry(d, k, path).toBool(); };
+  return data::LoaderState{i("epoch"), i("consumed"), i("dataset_size"), i("batch_size"),
+                           static_cast<uint64_t>(i("seed")), b("shuffle"), b("drop_last"),
+                           static_cast<int>(i("world_size"))};
+}
+
+/// The default generators' states of this process: CPU, then every CUDA device (when there are any).
+inline std::vector<at::Tensor> rng_states() {
+  std::vector<at::Tensor> out;
+  {
+    at::Generator g = at::globalContext().defaultGenerator(c10::DeviceType::CPU);
+    std::lock_guard<std::mutex> lock(g.mutex());
+    out.push_back(g.get_state());
+  }
+  if (at::globalContext().hasCUDA()) {
+    const int n = static_cast<int>(at::detail::getCUDAHooks().getNumGPUs());
+    for (int i = 0; i < n; ++i) {
+      at::Generator g = at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i)));
+      std::lock_guard<std::mutex> lock(g.mutex());
+      out.push_back(g.get_state());
+    }
+  }
+  return out;
+}
+inline void set_rng_states(const std::vector<at::Tensor>& states) {
+  if (states.empty()) return;
+  {
+    at::Generator g = at::globalContext().defaultGenerator(c10::DeviceType::CPU);
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(states[0]);
+  }
+  if (at::globalContext().hasCUDA()) {
+    const int n = std::min<int>(static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()),
+                                static_cast<int>(states.size()) - 1);
+    for (int i = 0; i < n; ++i) {
+      at::Generator g = at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i)));
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(states[static_cast<std::size_t>(i) + 1]);
+    }
+  }
+}
+
+}  // namespace checkpoint
+
+/// Loads the weights (parameters and buffers) of a volt checkpoint into `module`, for inference or
+/// fine-tuning; the checkpoint is checked whole first, and nothing is copied unless every name and shape fits.
+inline void load_weights(torch::nn::Module& module, const std::string& path) {
+  const checkpoint::Dict d = checkpoint::read(path);
+  const checkpoint::Dict state = checkpoint::entry(d, "state_dict", path).toGenericDict();
+  checkpoint::check_module_state(module, state, path);
+  checkpoint::load_module_state(module, state);
+}
+
+}  // namespace volt

@@ -1,0 +1,54 @@
+#pragma once
+
+#include "volt/data/stateful.hpp"
+
+#include <torch/data/datasets/base.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+namespace volt::data {
+
+/// A `StatefulLoader` over any `torch::data` dataset with a size: batches come from the dataset's
+/// `get_batch(indices)`, so a `Dataset<Self, Example<>>` yields `std::vector<Example<>>` and the same
+/// dataset `.map(torch::data::transforms::Stack<>())` yields stacked `Example<>`s. Shuffling, sharding and
+/// the position are the base's (data/stateful.hpp); shards share one dataset object.
+/// \code
+///   auto ds = torch::data::datasets::MNIST(root).map(torch::data::transforms::Stack<>());
+///   volt::data::DatasetLoader train(std::move(ds), {.batch_size = 64, .shuffle = true, .seed = 1});
+/// \endcode
+template <class Dataset>
+class DatasetLoader : public StatefulLoader<DatasetLoader<Dataset>> {
+ public:
+  using Options = LoaderOptions;
+  using dataset_type = Dataset;
+
+  DatasetLoader(Dataset dataset, Options options)
+      : StatefulLoader<DatasetLoader<Dataset>>(options), dataset_(std::make_shared<Dataset>(std::move(dataset))) {
+    const auto n = dataset_->size();
+    if (!n) {
+      throw std::invalid_argument("volt: DatasetLoader needs a dataset whose size() is known; this one returns nullopt.");
+    }
+    size_ = static_cast<int64_t>(*n);
+  }
+
+  int64_t num_items() const { return size_; }
+  auto fetch(const torch::Tensor& idx) const {
+    const torch::Tensor contiguous = idx.to(torch::kLong).contiguous();
+    const int64_t* p = contiguous.data_ptr<int64_t>();
+    std::vector<std::size_t> indices(p, p + contiguous.numel());
+    return dataset_->get_batch(indices);
+  }
+  Dataset& dataset() { return *dataset_; }
+
+ private:
+  std::shared_ptr<Dataset> dataset_;
+  int64_t size_ = 0;
+};
+
+}  // namespace volt::data

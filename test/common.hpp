@@ -53,6 +53,16 @@ struct RegressorImpl : torch::nn::Module {
 };
 TORCH_MODULE(Regressor);
 
+/// Sample i is (x = [i, i], y = i): a batch says which samples it holds. A torch::data dataset.
+struct IndexDataset : torch::data::datasets::Dataset<IndexDataset> {
+  int64_t n;
+  explicit IndexDataset(int64_t n_) : n(n_) {}
+  torch::data::Example<> get(size_t i) override {
+    return {torch::full({2}, static_cast<float>(i)), torch::tensor(static_cast<int64_t>(i))};
+  }
+  c10::optional<size_t> size() const override { return static_cast<size_t>(n); }
+};
+
 /// Copies every parameter and buffer of `from` into `to` (same architecture).
 inline void copy_weights(torch::nn::Module& from, torch::nn::Module& to) {
   torch::NoGradGuard g;

@@ -307,9 +307,18 @@ inline void load_module_state(torch::nn::Module& module, const Dict& state) {
 }
 
 /// An optimizer's LibTorch archive (its state and its parameter groups' options) as bytes in a uint8 tensor.
+/// LibTorch's optimizer archives do not bring the groups' options (learning rates, ...) back on load, so
+/// they travel alongside, under "volt_param_group_options".
 inline at::Tensor optimizer_state(const torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive;
   optimizer.save(archive);
+  torch::serialize::OutputArchive groups;
+  for (std::size_t i = 0; i < optimizer.param_groups().size(); ++i) {
+    torch::serialize::OutputArchive g;
+    optimizer.param_groups()[i].options().serialize(g);
+    groups.write(std::to_string(i), g);
+  }
+  archive.write("volt_param_group_options", groups);
   std::ostringstream s;
   archive.save_to(s);
   const std::string bytes = s.str();
@@ -324,6 +333,14 @@ inline void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::T
     torch::serialize::InputArchive archive;
     archive.load_from(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel()));
     optimizer.load(archive);
+    torch::serialize::InputArchive groups;
+    if (archive.try_read("volt_param_group_options", groups)) {
+      for (std::size_t i = 0; i < optimizer.param_groups().size(); ++i) {
+        torch::serialize::InputArchive g;
+        groups.read(std::to_string(i), g);
+        optimizer.param_groups()[i].options().serialize(g);
+      }
+    }
   };
   try {
     load(bytes);

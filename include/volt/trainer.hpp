@@ -319,13 +319,22 @@ class Trainer {
       }
     }
     std::vector<at::Tensor> rng;
+    c10::impl::GenericList grads(c10::AnyType::get());
     if (!weights_only) {
       for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
+      if (in_train_batch_ && mid_window_) {  // gradients accumulated so far in this window, every rank's
+        for (const auto& p : params_) {
+          grads.push_back(p.grad().defined() ? c10::IValue(gather_ranks(p.grad().detach())) : c10::IValue());
+        }
+      }
     }
     if (strategy_.is_global_zero()) {
       checkpoint::Dict d = checkpoint::make_dict();
       d.insert("state_dict", checkpoint::module_state(*module_));
-      if (!weights_only) add_training_state(d, rng);
+      if (!weights_only) {
+        add_training_state(d, rng);
+        d.insert("accumulated_grads", grads);
+      }
       checkpoint::save(path, std::move(d));
     }
     strategy_.barrier();
@@ -650,9 +659,9 @@ class Trainer {
     d.insert("lr_schedulers", schedulers);
     d.insert("precision", checkpoint::from_map(precision_.state_dict()));
     d.insert("loops", loop_counters());
-    if (train_loader_state_) {
+    if (train_loader_state_ || (!fitting_ && final_loader_state_)) {
       checkpoint::Dict loaders = checkpoint::make_dict();
-      loaders.insert("train", checkpoint::from_loader_state(train_loader_state_()));
+      loaders.insert("train", checkpoint::from_loader_state(train_loader_state_ ? train_loader_state_() : *final_loader_state_));
       d.insert("loaders", loaders);
     }
     d.insert("metrics", metric_store_state(train_store_));
@@ -764,6 +773,11 @@ class Trainer {
     const checkpoint::Dict rng = checkpoint::entry(d, "rng", path).toGenericDict();
     const auto precision_state = checkpoint::to_map(checkpoint::entry(d, "precision", path).toGenericDict(), path);
     const checkpoint::Dict callback_states = checkpoint::entry(d, "callbacks", path).toGenericDict();
+    const auto grads = checkpoint::entry(d, "accumulated_grads", path).toListRef();
+    if (!grads.empty() && grads.size() != params_.size()) {
+      throw CheckpointError("volt: " + path + " holds accumulated gradients of " + std::to_string(grads.size()) +
+                            " parameters; the module has " + std::to_string(params_.size()) + ".");
+    }
 
     // What can still refuse the state (the optimizer, the precision, callbacks) goes first, with backups.
     const at::Tensor optimizer_backup = checkpoint::optimizer_state(*optim_.optimizer);
@@ -797,6 +811,14 @@ class Trainer {
           static_cast<unsigned>(schedulers[0].toGenericDict().at("step_count").toInt());
     }
     checkpoint::load_module_state(module, weights);
+    const int rank = strategy_.global_rank();
+    auto row = [&](const at::Tensor& all) { return all.select(0, rank < all.size(0) ? rank : 0).clone(); };
+    {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < grads.size(); ++i) {
+        if (grads[i].isTensor()) params_[i].mutable_grad() = row(grads[i].toTensor()).to(params_[i].device()).clone();
+      }
+    }
     if constexpr (detail::PositionedLoader<TL>) {
       if (loader_state) train_loader.load_state_dict(*loader_state);
     }
@@ -810,8 +832,6 @@ class Trainer {
       if (e.accumulated.defined()) e.accumulated = e.accumulated.to(state_.device);
       train_store_.entries().push_back(std::move(e));
     }
-    const int rank = strategy_.global_rank();
-    auto row = [&](const at::Tensor& all) { return all.select(0, rank < all.size(0) ? rank : 0).contiguous(); };
     r.rng.push_back(row(checkpoint::entry(rng, "cpu", path).toTensor()));
     for (const auto& t : checkpoint::entry(rng, "cuda", path).toListRef()) r.rng.push_back(row(t.toTensor()));
     if (!r.loader_positioned && r.world_size != strategy_.world_size() && r.batch_in_epoch > 0 && !r.epoch_finished &&
@@ -897,10 +917,12 @@ class Trainer {
       train_loader_state_ = nullptr;
     }
     fitting_ = true;
+    final_loader_state_.reset();
     struct FitScope {
       Trainer* t;
       ~FitScope() {
         t->fitting_ = false;
+        if (t->train_loader_state_) t->final_loader_state_ = t->train_loader_state_();
         t->train_loader_state_ = nullptr;
         t->in_train_batch_ = t->in_epoch_end_ = false;
       }
@@ -1067,6 +1089,7 @@ class Trainer {
     const int64_t k = options_.accumulate_grad_batches;
     const bool window_start = batch_idx % k == 0;
     const bool steps = (batch_idx + 1) % k == 0 || is_last;
+    mid_window_ = !steps;
     torch::optim::Optimizer& optimizer = *optim_.optimizer;
 
     torch::Tensor loss = with_prepared(batch, [&](auto& b) -> torch::Tensor {
@@ -1343,10 +1366,12 @@ class Trainer {
   std::optional<Resume> resume_;
   torch::nn::Module* module_ = nullptr;
   std::function<data::LoaderState()> train_loader_state_;
+  std::optional<data::LoaderState> final_loader_state_;  // the training loader's position when the last fit ended
   bool fitting_ = false;
   bool in_train_batch_ = false;
   bool in_epoch_end_ = false;
   bool train_is_last_ = false;
+  bool mid_window_ = false;  // the running batch does not end its gradient-accumulation window
   bool val_started_ = false;
   int64_t train_batch_idx_ = 0;
   int64_t batches_this_epoch_ = 0;

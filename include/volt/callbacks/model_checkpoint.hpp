@@ -358,7 +358,7 @@ class ModelCheckpoint {
   std::string best_model_path_, kth_path_, last_model_path_;
   double best_score_ = std::numeric_limits<double>::quiet_NaN();
   double kth_value_ = 0.0;
-  int64_t last_global_step_saved_ = -1;
+  int64_t last_global_step_saved_ = 0;  // as Lightning: nothing to save before the first step
 };
 
 }  // namespace volt

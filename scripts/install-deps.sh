@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Installs what volt needs from Debian 12's packages, if it is missing. Runs as root without prompts
-# (or through sudo when not root).
+# (or through sudo when not root). `--tests` adds what only the test suite needs: Python's torch, which
+# reads volt's checkpoints in one test.
 set -euo pipefail
 packages=(g++ make cmake libtorch-dev libboost-mpi-dev openmpi-bin catch2 zlib1g-dev dataset-fashion-mnist)
+if [ "${1:-}" = "--tests" ]; then
+  packages+=(python3 python3-torch)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

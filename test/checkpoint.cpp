@@ -610,3 +610,27 @@ TEST_CASE("a fit resumed from any of its checkpoints ends bit-identical to the u
   CHECK(epoch_end == 3);
   CHECK(mid_window > 0);  // saved after a validation between two micro-batches of one optimizer step
 }
+
+TEST_CASE("a loader without a position (a vector of batches) resumes by skipping what was trained on",
+          "[checkpoint][resume]") {
+  auto [x, y] = vt::regression_data(48);
+  std::vector<torch::data::Example<>> batches;
+  for (int64_t i = 0; i < 48; i += 8) batches.push_back({x.narrow(0, i, 8), y.narrow(0, i, 8)});
+  const fs::path a = scratch("vector_a");
+  auto make = [](const fs::path& dir) {
+    return volt::make_trainer({.max_epochs = 2},
+                              volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{step}", .save_top_k = -1,
+                                                     .every_n_train_steps = 1}));
+  };
+  vt::Regressor reference;
+  auto t = make(a);
+  t.fit(reference, batches);
+  REQUIRE(t.global_step() == 12);
+  for (const int step : {3, 6, 8}) {
+    vt::Regressor resumed(0.05, 42);
+    auto r = make(scratch("vector_b"));
+    r.fit(resumed, batches, volt::NoLoader{}, (a / ("step=" + std::to_string(step) + ".ckpt")).string());
+    CHECK(r.global_step() == 12);
+    CHECK(same_weights(*reference, *resumed));
+  }
+}

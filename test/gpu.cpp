@@ -2,6 +2,10 @@
 
 #include "common.hpp"
 
+#include <unistd.h>
+
+#include <filesystem>
+
 namespace {
 volt::data::TensorLoader gpu_loader(int64_t n, int64_t bs) {
   auto [x, y] = vt::regression_data(n);
@@ -71,4 +75,38 @@ TEST_CASE("GPU Fp16Mixed skips a step whose gradients hold an inf, backs off and
   auto [x, y] = vt::regression_data(128);
   torch::NoGradGuard g;
   CHECK(vt::mse(m.forward(x.cuda()).cpu(), y).item<double>() < 1.0);
+}
+
+TEST_CASE("GPU Fp16Mixed resumed mid-run from a checkpoint ends bit-identical, loss scale included", "[.gpu]") {
+  struct Poisoned : vt::RegressorImpl {  // one inf at step 2: the scale backs off to 32768
+    void on_after_backward(volt::Context& ctx) {
+      if (ctx.global_step() == 2) {
+        torch::NoGradGuard g;
+        lin->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+      }
+    }
+  };
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_gpu_resume_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto make = [&](const std::string& sub) {
+    return volt::make_trainer<volt::SingleDevice, volt::Fp16Mixed, volt::GPU>(
+        {.max_epochs = 3, .deterministic = true},
+        volt::ModelCheckpoint({.dirpath = (dir / sub).string(), .filename = "{step}", .save_top_k = -1,
+                               .every_n_train_steps = 1}));
+  };
+  auto [x, y] = vt::regression_data(128);
+  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = 16, .shuffle = true, .seed = 4}); };
+  Poisoned a;
+  auto ta = make("a");
+  ta.fit(a, loader());
+  REQUIRE(ta.precision().scaler().get_scale() == 32768.0);
+  for (const int step : {1, 5, 11}) {  // before the inf, after it, in the second epoch
+    Poisoned b;
+    auto tb = make("b" + std::to_string(step));
+    tb.fit(b, loader(), volt::NoLoader{}, (dir / "a" / ("step=" + std::to_string(step) + ".ckpt")).string());
+    CHECK(tb.precision().scaler().get_scale() == 32768.0);
+    CHECK(torch::equal(a.lin->weight, b.lin->weight));
+    CHECK(torch::equal(a.lin->bias, b.lin->bias));
+  }
+  std::filesystem::remove_all(dir);
 }

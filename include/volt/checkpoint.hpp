@@ -181,7 +181,7 @@ inline void save(const std::string& path, Dict contents) {
   contents.insert_or_assign("format_version", kFormatVersion);
   contents.insert_or_assign("volt_version", std::string(version_string));
   contents.insert_or_assign("torch_version", std::string(TORCH_VERSION));
-  contents.erase("checksum");
+  (void)contents.erase("checksum");
   const uint32_t sum = detail::checksum(contents, 0);
   contents.insert("checksum", static_cast<int64_t>(sum));
   std::vector<char> bytes;
@@ -236,7 +236,7 @@ inline Dict read(const std::string& path) {
   }
   const auto stored = static_cast<uint32_t>(d.at("checksum").toInt());
   Dict rest = d.copy();
-  rest.erase("checksum");
+  (void)rest.erase("checksum");
   const uint32_t computed = detail::checksum(rest, 0);
   if (stored != computed) {
     std::ostringstream s;

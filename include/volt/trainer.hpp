@@ -89,14 +89,15 @@ concept PositionedLoader = requires(L& l, const L& cl, const data::LoaderState& 
 };
 
 /// Calls `f(batch, batch_idx, is_last)` for batch indices `start` .. `limit` - 1 (-1: all); `f` returns
-/// false to stop. A positioned loader starts at batch `start` by itself; any other loader has its first
-/// `start` batches skipped. A sized loader knows its last batch; an unsized one is read one batch ahead.
+/// false to stop. A loader that resumes at batch `start` by itself (a positioned loader that loaded a
+/// state) is read from its beginning; any other has its first `start` batches skipped (`skip`). A sized
+/// loader knows its last batch; an unsized one is read one batch ahead.
 template <class L, class F>
-void for_each_batch(L& loader, int64_t limit, F&& f, int64_t start = 0) {
+void for_each_batch(L& loader, int64_t limit, F&& f, int64_t start = 0, bool skip = false) {
   if (limit == 0 || (limit > 0 && start >= limit)) return;
   auto it = loader.begin();
   auto end = loader.end();
-  if constexpr (!PositionedLoader<L>) {
+  if (skip) {
     for (int64_t i = 0; i < start && it != end; ++i) ++it;
   }
   if constexpr (SizedLoader<L>) {
@@ -1006,8 +1007,10 @@ class Trainer {
       detail::module_hook::on_train_epoch_start(module, ctx);
 
       int64_t start = 0;
+      bool skip = false;
       if (resuming) {
         start = resume_->batch_in_epoch;
+        skip = !resume_->loader_positioned;  // a loader without a saved position skips what was trained on
         if constexpr (detail::PositionedLoader<TL>) {
           if (resume_->loader_positioned) start = train.batches_done();
         }
@@ -1021,7 +1024,7 @@ class Trainer {
             batches_this_epoch_ = batch_idx + 1;
             return train_batch(module, ctx, batch, batch_idx, is_last, val);
           },
-          start);
+          start, skip);
 
       // Epoch end: callbacks, the module, then callbacks that monitor metrics (they see its logs).
       in_epoch_end_ = true;

@@ -24,6 +24,11 @@
 /// | `on_exception` | `std::exception_ptr` | a run is ending with an exception (it is rethrown) |
 /// | `on_log_metrics` | `(trainer, const std::map<std::string, double>&, int64_t step)`: no module | metrics for loggers |
 ///
+/// State in checkpoints (optional too): `state_dict() const` returning `std::map<std::string, double>` or a
+/// `checkpoint::Dict`, and `load_state_dict(...)` taking the same; saved under `state_key()` when the callback
+/// has one (ModelCheckpoint's includes its monitor, so two of them keep apart), else its type's name. A
+/// resumed fit gives each callback the state saved under its key.
+///
 /// Order, as Lightning: callbacks (in pack order) before the module's own hook, except for
 /// `on_train_epoch_end`, where callbacks that declare `static constexpr bool monitors_metrics = true`
 /// (EarlyStopping, checkpointing) run after the module so they see what its hook logged.

@@ -279,9 +279,6 @@ class ModelCheckpoint {
 
   template <class T>
   void save(T& trainer) {
-    // Every rank decides the same way: a save on any rank is a save on all (saving is collective).
-    const bool any = trainer.strategy().reduce_boolean_decision(true, /*all=*/false);
-    if (!any) return;
     last_global_step_saved_ = trainer.global_step();
     const auto metrics = trainer.callback_metric_values();
     std::vector<std::string> remove;
@@ -303,7 +300,8 @@ class ModelCheckpoint {
         }
         const double current = std::isfinite(it->second) ? it->second : worst();
         const bool full = options_.save_top_k > 0 && static_cast<int64_t>(best_k_.size()) >= options_.save_top_k;
-        if (!full || better(current, kth_value_)) {
+        // Saving is collective: the ranks write only when all agree (values logged without sync_dist may differ).
+        if (trainer.strategy().reduce_boolean_decision(!full || better(current, kth_value_), /*all=*/true)) {
           if (full) {
             remove.push_back(kth_path_);
             best_k_.erase(kth_path_);

@@ -353,7 +353,7 @@ TEST_CASE("resuming checks the module, the loader and the optimizer before loadi
     volt::Trainer<> t4({.max_epochs = 2});
     CHECK_THROWS_WITH(t4.fit(n, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, (dir / "w.ckpt").string()),
                       Contains("weights only"));
-    CHECK_THROWS_WITH(volt::Trainer<>().save_checkpoint((dir / "x.ckpt").string()), Contains("before any fit"));
+    CHECK_THROWS_WITH(volt::Trainer<>().save_checkpoint((dir / "x.ckpt").string()), Contains("no fit has run in this process"));
   }
 }
 
@@ -633,4 +633,43 @@ TEST_CASE("a loader without a position (a vector of batches) resumes by skipping
     CHECK(r.global_step() == 12);
     CHECK(same_weights(*reference, *resumed));
   }
+}
+
+namespace {
+/// Keeps a count of its own in checkpoints through the module hooks.
+struct CountingImpl : vt::RegressorImpl {
+  using vt::RegressorImpl::RegressorImpl;
+  int64_t batches = 0;
+  bool refuse = false;
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    ++batches;
+    return vt::RegressorImpl::training_step(b, ctx);
+  }
+  void on_save_checkpoint(volt::checkpoint::Dict& c) { c.insert("counting_batches", batches); }
+  void on_load_checkpoint(const volt::checkpoint::Dict& c) {
+    if (refuse) throw std::runtime_error("this module refuses the checkpoint");
+    batches = c.at("counting_batches").toInt();
+  }
+};
+TORCH_MODULE(Counting);
+}  // namespace
+
+TEST_CASE("modules keep state of their own in checkpoints through on_save/on_load_checkpoint", "[checkpoint]") {
+  const fs::path dir = scratch("module_hooks");
+  auto [x, y] = vt::regression_data(32);
+  Counting a;
+  volt::Trainer<> t({.max_epochs = 1});
+  t.fit(a, volt::data::TensorLoader(x, y, {.batch_size = 8}));
+  t.save_checkpoint((dir / "c.ckpt").string());
+  CHECK(volt::checkpoint::read((dir / "c.ckpt").string()).at("counting_batches").toInt() == 4);
+  Counting b;
+  volt::Trainer<> t2({.max_epochs = 2});
+  t2.fit(b, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, (dir / "c.ckpt").string());
+  CHECK(b->batches == 8);  // 4 restored, 4 trained
+  Counting c(0.05, 9), c_before(0.05, 9);
+  c->refuse = true;
+  volt::Trainer<> t3({.max_epochs = 2});
+  CHECK_THROWS_WITH(t3.fit(c, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, (dir / "c.ckpt").string()),
+                    Contains("refuses the checkpoint") && Contains("nothing was changed"));
+  CHECK(same_weights(*c, *c_before));
 }

@@ -331,7 +331,11 @@ inline void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::T
   auto load = [&](const at::Tensor& b) {
     const at::Tensor c = b.contiguous();
     torch::serialize::InputArchive archive;
-    archive.load_from(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel()));
+    c10::optional<torch::Device> device;  // the state goes where the parameters are
+    if (!optimizer.param_groups().empty() && !optimizer.param_groups()[0].params().empty()) {
+      device = optimizer.param_groups()[0].params()[0].device();
+    }
+    archive.load_from(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel()), device);
     optimizer.load(archive);
     torch::serialize::InputArchive groups;
     if (archive.try_read("volt_param_group_options", groups)) {

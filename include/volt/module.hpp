@@ -27,6 +27,11 @@
 /// | `on_before_zero_grad`, `on_before_optimizer_step` | `torch::optim::Optimizer&` |
 /// | `on_before_backward` | `const torch::Tensor& loss` |
 /// | `on_after_backward` | none |
+///
+/// Checkpoints (no Context): `on_save_checkpoint(volt::checkpoint::Dict& checkpoint)` adds the module's own
+/// entries to a checkpoint being written (on rank zero; keep clear of volt's keys, listed in checkpoint.hpp);
+/// `on_load_checkpoint(const volt::checkpoint::Dict& checkpoint)` reads them back when a fit resumes, after
+/// the file has been checked and before the weights are loaded (a throw leaves everything as it was).
 
 #include "volt/context.hpp"
 

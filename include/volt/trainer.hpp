@@ -308,7 +308,9 @@ class Trainer {
   /// contributes its generator states, rank zero writes the file atomically, and all wait for the write.
   void save_checkpoint(const std::string& path, bool weights_only = false) {
     if (module_ == nullptr) {
-      throw std::logic_error("volt: save_checkpoint(\"" + path + "\") was called before any fit: there is no module to save yet.");
+      throw std::logic_error("volt: save_checkpoint(\"" + path + "\") was called, but no fit has run in this process, so "
+                             "there is nothing to save yet. (With DDP<Spawn>, fit runs in worker processes: save from "
+                             "inside fit, with ModelCheckpoint or a callback.)");
     }
     if (path.empty()) throw std::invalid_argument("volt: save_checkpoint needs a file path; got an empty string.");
     if constexpr (requires { strategy_type::replicates_module; }) {
@@ -682,6 +684,7 @@ class Trainer {
       }
     });
     d.insert("callbacks", cbs);
+    if (module_save_hook_) module_save_hook_(d);
   }
 
   /// `"last"` and `"best"` through the ModelCheckpoint callbacks; any other path as it is. "" for a
@@ -799,6 +802,7 @@ class Trainer {
           undo.push_back([&cb, backup, path] { load_callback_state(cb, backup, path); });
         }
       });
+      if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) module.on_load_checkpoint(d);
     } catch (const std::exception& e) {
       for (auto& u : undo) u();
       precision_.load_state_dict(precision_backup);
@@ -912,6 +916,11 @@ class Trainer {
 
     decltype(auto) train_loader = strategy_.process_dataloader(train, Stage::train);
     using PTL = std::remove_reference_t<decltype(train_loader)>;
+    if constexpr (requires(Impl& m, checkpoint::Dict& d) { m.on_save_checkpoint(d); }) {
+      module_save_hook_ = [&module](checkpoint::Dict& d) { module.on_save_checkpoint(d); };
+    } else {
+      module_save_hook_ = nullptr;
+    }
     if constexpr (detail::PositionedLoader<PTL>) {
       train_loader_state_ = [&train_loader] { return train_loader.state_dict(); };
     } else {
@@ -1369,6 +1378,7 @@ class Trainer {
   std::optional<Resume> resume_;
   torch::nn::Module* module_ = nullptr;
   std::function<data::LoaderState()> train_loader_state_;
+  std::function<void(checkpoint::Dict&)> module_save_hook_;
   std::optional<data::LoaderState> final_loader_state_;  // the training loader's position when the last fit ended
   bool fitting_ = false;
   bool in_train_batch_ = false;

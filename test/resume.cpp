@@ -4,11 +4,12 @@
 //                                             last checkpoint ends bit-identical to an uninterrupted run
 //   resume kill-mid-write <dir> [rounds]      a writer killed at random moments always leaves a whole file
 //   resume ddp-exact <dir> -- <mpirun...>     2 DDP ranks saved mid-epoch and resumed on 2: bit-identical
+//   resume spawn-exact <dir>                  the same with DDP<Spawn> workers
 //   resume n-to-m <from> <to> <dir> -- <mpirun...>
 //                                             saved on `from` ranks, resumed on `to`: every sample once
 //   resume export <dir>                       the quick-start net's checkpoint, an input and its output, for
 //                                             test/torch_load_check.py
-// and the worker modes they start: train, writer, ddp-fit, index-fit.
+// and the worker modes they start: train, writer, ddp-fit, spawn-fit, index-fit.
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
@@ -319,6 +320,33 @@ int ddp_exact(const std::string& dir, const std::vector<std::string>& mpirun) {
   return 0;
 }
 
+// resume spawn-fit <dir> <weights-out> [ckpt]: DDP<Spawn> on 2 workers; the calling process writes the weights
+// fit brings back.
+int spawn_fit(const std::string& dir, const std::string& out, const std::string& ckpt) {
+  torch::manual_seed(1);
+  Tiny model;
+  auto trainer = volt::make_trainer<volt::DDP<volt::Spawn, volt::Mpi>, volt::Fp32, volt::CPU>(
+      {.devices = 2, .max_epochs = 3, .deterministic = true, .seed = 7},
+      volt::ModelCheckpoint({.dirpath = dir, .filename = "{step}", .save_top_k = -1, .every_n_train_steps = 1}));
+  trainer.fit(model, tiny_data(), volt::NoLoader{}, ckpt);
+  auto d = volt::checkpoint::make_dict();
+  d.insert("state_dict", volt::checkpoint::module_state(*model));
+  volt::checkpoint::save(out, d);
+  return 0;
+}
+
+// resume spawn-exact <dir>: the same as ddp-exact with workers started by Spawn.
+int spawn_exact(const std::string& dir) {
+  fs::remove_all(dir);
+  const std::string ref = dir + "/reference.ckpt", out = dir + "/out.ckpt";
+  if (run({self_exe(), "spawn-fit", dir + "/a", ref}) != 0) fail("the uninterrupted Spawn run failed");
+  if (run({self_exe(), "spawn-fit", dir + "/b", out, dir + "/a/step=10.ckpt"}) != 0) fail("the resumed Spawn run failed");
+  std::string why;
+  if (!identical(ref, out, &why)) fail("Spawn resumed from step 10: " + why);
+  std::cout << "Spawn: 2 workers resumed from step 10 (mid-epoch): weights bit-identical  match" << std::endl;
+  return 0;
+}
+
 /// Records which samples each rank trains on, per epoch.
 struct IndexModelImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
@@ -452,6 +480,8 @@ int main(int argc, char** argv) try {
   if (mode == "kill-mid-write" && a.size() >= 3) return kill_mid_write(a[2], a.size() > 3 ? std::stoi(a[3]) : 8);
   if (mode == "ddp-fit" && a.size() >= 4) return ddp_fit(a[2], a[3], a.size() > 4 ? a[4] : "");
   if (mode == "ddp-exact" && a.size() >= 3) return ddp_exact(a[2], after_dashes(argc, argv));
+  if (mode == "spawn-fit" && a.size() >= 4) return spawn_fit(a[2], a[3], a.size() > 4 ? a[4] : "");
+  if (mode == "spawn-exact" && a.size() >= 3) return spawn_exact(a[2]);
   if (mode == "index-fit" && a.size() >= 6) {
     return index_fit(std::stoi(a[2]), a[3], a[4], std::stoll(a[5]), a.size() > 6 ? a[6] : "");
   }

@@ -38,13 +38,22 @@ namespace {
 
 std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
 
-/// Runs a command to its end; returns its exit status (-signal when killed).
-int run(const std::vector<std::string>& cmd) {
-  std::cout << "$";
-  for (const auto& a : cmd) std::cout << " " << a;
-  std::cout << std::endl;
+/// A started command: its pid and, when piped, its standard output.
+struct Child {
+  pid_t pid;
+  FILE* out;
+};
+
+Child start(const std::vector<std::string>& cmd, bool piped) {
+  int fds[2] = {-1, -1};
+  if (piped && ::pipe(fds) != 0) throw std::runtime_error("pipe failed");
   const pid_t pid = ::fork();
   if (pid == 0) {
+    if (piped) {
+      ::dup2(fds[1], STDOUT_FILENO);
+      ::close(fds[0]);
+      ::close(fds[1]);
+    }
     std::vector<char*> argv;
     for (const auto& a : cmd) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -52,41 +61,41 @@ int run(const std::vector<std::string>& cmd) {
     std::perror("exec");
     std::_Exit(127);
   }
+  if (!piped) return {pid, nullptr};
+  ::close(fds[1]);
+  return {pid, ::fdopen(fds[0], "r")};
+}
+
+/// Waits for a child; its exit status, or -signal when a signal ended it.
+int wait_for(const Child& c) {
+  if (c.out != nullptr) std::fclose(c.out);
   int status = 0;
-  ::waitpid(pid, &status, 0);
+  ::waitpid(c.pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+}
+
+/// Runs a command to its end; returns its exit status (-signal when killed).
+int run(const std::vector<std::string>& cmd) {
+  std::cout << "$";
+  for (const auto& a : cmd) std::cout << " " << a;
+  std::cout << std::endl;
+  return wait_for(start(cmd, false));
 }
 
 /// Starts a command with its stdout on a pipe; `on_line` sees each line and returns true to kill the
 /// process with SIGKILL there. Returns the status as run() does.
 template <class F>
 int run_until(const std::vector<std::string>& cmd, F&& on_line) {
-  int fds[2];
-  if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(fds[1], STDOUT_FILENO);
-    ::close(fds[0]);
-    ::close(fds[1]);
-    std::vector<char*> argv;
-    for (const auto& a : cmd) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execvp(argv[0], argv.data());
-    std::_Exit(127);
-  }
-  ::close(fds[1]);
-  FILE* in = ::fdopen(fds[0], "r");
+  const Child c = start(cmd, true);
+  FILE* in = c.out;
   char line[512];
   while (std::fgets(line, sizeof line, in) != nullptr) {
     if (on_line(std::string(line))) {
-      ::kill(pid, SIGKILL);
+      ::kill(c.pid, SIGKILL);
       break;
     }
   }
-  std::fclose(in);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+  return wait_for(c);
 }
 
 [[noreturn]] void fail(const std::string& what) {
@@ -224,19 +233,9 @@ int kill_mid_write(const std::string& dir, int rounds) {
   int interrupted = 0;
   std::chrono::microseconds write_time{0};
   for (int r = 0; r < rounds; ++r) {
-    int fds[2];
-    if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::dup2(fds[1], STDOUT_FILENO);
-      ::close(fds[0]);
-      ::close(fds[1]);
-      const std::string exe = self_exe();
-      ::execl(exe.c_str(), exe.c_str(), "writer", path.c_str(), static_cast<char*>(nullptr));
-      std::_Exit(127);
-    }
-    ::close(fds[1]);
-    FILE* in = ::fdopen(fds[0], "r");
+    const Child child = start({self_exe(), "writer", path}, true);
+    const pid_t pid = child.pid;
+    FILE* in = child.out;
     char line[128];
     if (std::fgets(line, sizeof line, in) == nullptr) fail("the writer wrote nothing");
     const auto first = std::chrono::steady_clock::now();
@@ -256,11 +255,9 @@ int kill_mid_write(const std::string& dir, int rounds) {
       std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 20000)(rng)));
     }
     ::kill(pid, SIGKILL);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
     int64_t last_saved = -1;
     while (std::fgets(line, sizeof line, in) != nullptr) last_saved = std::stoll(std::string(line).substr(6));
-    std::fclose(in);
+    wait_for(child);
     bool temp_left = false;
     for (const auto& e : fs::directory_iterator(dir)) {
       if (e.path().filename().string().find(".tmp.") != std::string::npos) {
@@ -286,15 +283,23 @@ int kill_mid_write(const std::string& dir, int rounds) {
 
 // ---- several ranks ------------------------------------------------------------------------------------------
 
-// resume ddp-fit <dir> <weights-out> [ckpt]: DDP on 2 ranks (under mpirun), a checkpoint after every step.
-int ddp_fit(const std::string& dir, const std::string& out, const std::string& ckpt) {
+// resume ddp-fit | spawn-fit <dir> <weights-out> [ckpt]: DDP on 2 ranks (under mpirun, or 2 Spawn workers),
+// a checkpoint after every step; the final weights go to <weights-out> (from the calling process under Spawn).
+template <class Launcher>
+int two_rank_fit(const std::string& dir, const std::string& out, const std::string& ckpt) {
   torch::manual_seed(1);
   Tiny model;
-  auto trainer = volt::make_trainer<volt::DDP<volt::Script, volt::Mpi>, volt::Fp32, volt::CPU>(
+  auto trainer = volt::make_trainer<volt::DDP<Launcher, volt::Mpi>, volt::Fp32, volt::CPU>(
       {.devices = 2, .max_epochs = 3, .deterministic = true, .seed = 7},
       volt::ModelCheckpoint({.dirpath = dir, .filename = "{step}", .save_top_k = -1, .every_n_train_steps = 1}));
   trainer.fit(model, tiny_data(), volt::NoLoader{}, ckpt);
-  trainer.save_checkpoint(out, /*weights_only=*/true);
+  if constexpr (std::is_same_v<Launcher, volt::Spawn>) {  // fit brought rank 0's weights back here
+    auto d = volt::checkpoint::make_dict();
+    d.insert("state_dict", volt::checkpoint::module_state(*model));
+    volt::checkpoint::save(out, d);
+  } else {
+    trainer.save_checkpoint(out, /*weights_only=*/true);
+  }
   return 0;
 }
 
@@ -317,21 +322,6 @@ int ddp_exact(const std::string& dir, const std::vector<std::string>& mpirun) {
     if (!identical(ref, out, &why)) fail("resumed from step " + std::to_string(step) + ": " + why);
     std::cout << "2 ranks resumed from step " << step << " (mid-epoch) on 2 ranks: weights bit-identical  match" << std::endl;
   }
-  return 0;
-}
-
-// resume spawn-fit <dir> <weights-out> [ckpt]: DDP<Spawn> on 2 workers; the calling process writes the weights
-// fit brings back.
-int spawn_fit(const std::string& dir, const std::string& out, const std::string& ckpt) {
-  torch::manual_seed(1);
-  Tiny model;
-  auto trainer = volt::make_trainer<volt::DDP<volt::Spawn, volt::Mpi>, volt::Fp32, volt::CPU>(
-      {.devices = 2, .max_epochs = 3, .deterministic = true, .seed = 7},
-      volt::ModelCheckpoint({.dirpath = dir, .filename = "{step}", .save_top_k = -1, .every_n_train_steps = 1}));
-  trainer.fit(model, tiny_data(), volt::NoLoader{}, ckpt);
-  auto d = volt::checkpoint::make_dict();
-  d.insert("state_dict", volt::checkpoint::module_state(*model));
-  volt::checkpoint::save(out, d);
   return 0;
 }
 
@@ -478,9 +468,9 @@ int main(int argc, char** argv) try {
   if (mode == "sigkill" && a.size() >= 3) return sigkill(a[2], a.size() > 3 ? std::stoi(a[3]) : 3);
   if (mode == "writer" && a.size() >= 3) return writer(a[2]);
   if (mode == "kill-mid-write" && a.size() >= 3) return kill_mid_write(a[2], a.size() > 3 ? std::stoi(a[3]) : 8);
-  if (mode == "ddp-fit" && a.size() >= 4) return ddp_fit(a[2], a[3], a.size() > 4 ? a[4] : "");
+  if (mode == "ddp-fit" && a.size() >= 4) return two_rank_fit<volt::Script>(a[2], a[3], a.size() > 4 ? a[4] : "");
   if (mode == "ddp-exact" && a.size() >= 3) return ddp_exact(a[2], after_dashes(argc, argv));
-  if (mode == "spawn-fit" && a.size() >= 4) return spawn_fit(a[2], a[3], a.size() > 4 ? a[4] : "");
+  if (mode == "spawn-fit" && a.size() >= 4) return two_rank_fit<volt::Spawn>(a[2], a[3], a.size() > 4 ? a[4] : "");
   if (mode == "spawn-exact" && a.size() >= 3) return spawn_exact(a[2]);
   if (mode == "index-fit" && a.size() >= 6) {
     return index_fit(std::stoi(a[2]), a[3], a[4], std::stoll(a[5]), a.size() > 6 ? a[6] : "");

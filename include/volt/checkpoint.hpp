@@ -196,9 +196,17 @@ inline void save(const std::string& path, Dict contents) {
 /// Reads and checks a checkpoint: a `CheckpointError` names the file and the fault (missing, empty, not a
 /// torch zip archive or cut short, not a volt checkpoint, a newer format, a checksum mismatch).
 inline Dict read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw CheckpointError("volt: " + path + " is a folder; give the checkpoint file inside it.");
+  }
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw CheckpointError("volt: no checkpoint at " + path + " (cannot open it: " + std::strerror(errno) + ").");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<char> bytes(static_cast<std::size_t>(std::max<std::streamoff>(in.tellg(), 0)));
+  in.seekg(0);
+  if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) {
+    throw CheckpointError("volt: reading the checkpoint " + path + " failed: " + std::strerror(errno));
+  }
   if (bytes.empty()) throw CheckpointError("volt: the checkpoint " + path + " is empty (0 bytes).");
   c10::IValue value;
   try {

@@ -34,6 +34,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <sstream>

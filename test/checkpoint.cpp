@@ -673,3 +673,32 @@ TEST_CASE("modules keep state of their own in checkpoints through on_save/on_loa
                     Contains("refuses the checkpoint") && Contains("nothing was changed"));
   CHECK(same_weights(*c, *c_before));
 }
+
+TEST_CASE("callback states with numbers (EarlyStopping) resume; \"last\" with no checkpoint yet starts afresh",
+          "[checkpoint]") {
+  const fs::path dir = scratch("early_stopping");
+  auto [x, y] = vt::regression_data(32);
+  auto make = [&] {
+    return volt::make_trainer({.max_epochs = 3},
+                              volt::EarlyStopping({.monitor = "train_loss", .mode = volt::EarlyStopping::Mode::max,
+                                                   .patience = 50}),
+                              volt::ModelCheckpoint({.dirpath = dir.string(), .save_last = true}));
+  };
+  vt::Regressor a;
+  auto t = make();
+  t.fit(a, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, "last");  // nothing yet: from the start
+  CHECK(t.global_step() == 12);
+  const auto& es = t.callback<volt::EarlyStopping>();
+  REQUIRE(es.wait_count() > 0);  // the loss falls, so "max" waits
+  const auto saved = volt::checkpoint::read((dir / "last.ckpt").string()).at("callbacks").toGenericDict();
+  CHECK(saved.at("volt::EarlyStopping").toGenericDict().at("wait_count").toDouble() == static_cast<double>(es.wait_count()));
+  vt::Regressor b;
+  auto t2 = volt::make_trainer({.max_epochs = 4},
+                               volt::EarlyStopping({.monitor = "train_loss", .mode = volt::EarlyStopping::Mode::max,
+                                                    .patience = 50}),
+                               volt::ModelCheckpoint({.dirpath = dir.string(), .save_last = true}));
+  t2.fit(b, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, "last");
+  CHECK(t2.global_step() == 16);  // one more epoch
+  CHECK(t2.callback<volt::EarlyStopping>().wait_count() == es.wait_count() + 1);
+  CHECK(t2.callback<volt::EarlyStopping>().best_score() == es.best_score());
+}

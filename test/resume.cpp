@@ -140,6 +140,9 @@ struct TinyImpl : torch::nn::Module {
     ctx.log("train_loss", loss, {.on_step = true, .on_epoch = true});
     return loss;
   }
+  void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    ctx.log("val_loss", (l2(torch::tanh(l1(b.data))) - b.target).pow(2).mean(), {.sync_dist = true});
+  }
   volt::OptimizerConfig configure_optimizers() {
     auto opt = std::make_shared<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(5e-3));
     return {opt, std::make_shared<torch::optim::StepLR>(*opt, 1, 0.8)};
@@ -284,15 +287,20 @@ int kill_mid_write(const std::string& dir, int rounds) {
 // ---- several ranks ------------------------------------------------------------------------------------------
 
 // resume ddp-fit | spawn-fit <dir> <weights-out> [ckpt]: DDP on 2 ranks (under mpirun, or 2 Spawn workers),
-// a checkpoint after every step; the final weights go to <weights-out> (from the calling process under Spawn).
+// gradients accumulated over 2 batches, validation twice an epoch; checkpoints after every optimizer step
+// (<dir>/step=N.ckpt) and after every validation (<dir>/val/..., some in the middle of an accumulation
+// window); the final weights go to <weights-out> (from the calling process under Spawn).
 template <class Launcher>
 int two_rank_fit(const std::string& dir, const std::string& out, const std::string& ckpt) {
   torch::manual_seed(1);
   Tiny model;
   auto trainer = volt::make_trainer<volt::DDP<Launcher, volt::Mpi>, volt::Fp32, volt::CPU>(
-      {.devices = 2, .max_epochs = 3, .deterministic = true, .seed = 7},
-      volt::ModelCheckpoint({.dirpath = dir, .filename = "{step}", .save_top_k = -1, .every_n_train_steps = 1}));
-  trainer.fit(model, tiny_data(), volt::NoLoader{}, ckpt);
+      {.devices = 2, .max_epochs = 3, .val_check_interval = 0.5, .accumulate_grad_batches = 2, .deterministic = true,
+       .seed = 7},
+      volt::ModelCheckpoint({.dirpath = dir, .filename = "{step}", .save_top_k = -1, .every_n_train_steps = 1}),
+      volt::ModelCheckpoint({.dirpath = dir + "/val", .save_top_k = -1}));
+  auto val = tiny_data();
+  trainer.fit(model, tiny_data(), val, ckpt);
   if constexpr (std::is_same_v<Launcher, volt::Spawn>) {  // fit brought rank 0's weights back here
     auto d = volt::checkpoint::make_dict();
     d.insert("state_dict", volt::checkpoint::module_state(*model));
@@ -314,13 +322,19 @@ int ddp_exact(const std::string& dir, const std::vector<std::string>& mpirun) {
   };
   const std::string ref = dir + "/reference.ckpt";
   if (job({"ddp-fit", dir + "/a", ref}) != 0) fail("the uninterrupted 2-rank run failed");
-  for (const int step : {4, 8}) {  // 6 steps per epoch: epoch 0 batch 4, epoch 1 batch 2
-    const std::string out = dir + "/out" + std::to_string(step) + ".ckpt";
-    const std::string from = dir + "/a/step=" + std::to_string(step) + ".ckpt";
-    if (job({"ddp-fit", dir + "/b" + std::to_string(step), out, from}) != 0) fail("the resumed 2-rank run failed");
+  // 6 batches a rank and 3 steps an epoch: step 4 ends epoch 1's second batch; its validation after the third
+  // batch is saved with that batch's gradients waiting for the fourth.
+  const std::string mid_window = dir + "/a/val/epoch=1-step=4.ckpt";
+  if (volt::checkpoint::read(mid_window).at("accumulated_grads").toListRef().empty()) {
+    fail(mid_window + " holds no accumulated gradients; it was meant to be saved inside an accumulation window");
+  }
+  int n = 0;
+  for (const std::string from : {dir + "/a/step=2.ckpt", dir + "/a/step=4.ckpt", mid_window}) {
+    const std::string out = dir + "/out" + std::to_string(n) + ".ckpt";
+    if (job({"ddp-fit", dir + "/b" + std::to_string(n++), out, from}) != 0) fail("the resumed 2-rank run failed");
     std::string why;
-    if (!identical(ref, out, &why)) fail("resumed from step " + std::to_string(step) + ": " + why);
-    std::cout << "2 ranks resumed from step " << step << " (mid-epoch) on 2 ranks: weights bit-identical  match" << std::endl;
+    if (!identical(ref, out, &why)) fail("resumed from " + from + ": " + why);
+    std::cout << "2 ranks resumed from " << from << " (mid-epoch) on 2 ranks: weights bit-identical  match" << std::endl;
   }
   return 0;
 }
@@ -330,10 +344,10 @@ int spawn_exact(const std::string& dir) {
   fs::remove_all(dir);
   const std::string ref = dir + "/reference.ckpt", out = dir + "/out.ckpt";
   if (run({self_exe(), "spawn-fit", dir + "/a", ref}) != 0) fail("the uninterrupted Spawn run failed");
-  if (run({self_exe(), "spawn-fit", dir + "/b", out, dir + "/a/step=10.ckpt"}) != 0) fail("the resumed Spawn run failed");
+  if (run({self_exe(), "spawn-fit", dir + "/b", out, dir + "/a/step=5.ckpt"}) != 0) fail("the resumed Spawn run failed");
   std::string why;
-  if (!identical(ref, out, &why)) fail("Spawn resumed from step 10: " + why);
-  std::cout << "Spawn: 2 workers resumed from step 10 (mid-epoch): weights bit-identical  match" << std::endl;
+  if (!identical(ref, out, &why)) fail("Spawn resumed from step 5: " + why);
+  std::cout << "Spawn: 2 workers resumed from step 5 (mid-epoch): weights bit-identical  match" << std::endl;
   return 0;
 }
 

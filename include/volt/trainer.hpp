@@ -327,7 +327,15 @@ class Trainer {
       for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
       if (in_train_batch_ && mid_window_) {  // gradients accumulated so far in this window, every rank's
         for (const auto& p : params_) {
-          grads.push_back(p.grad().defined() ? c10::IValue(gather_ranks(p.grad().detach())) : c10::IValue());
+          const at::Tensor defined = gather_ranks(torch::tensor({p.grad().defined() ? 1 : 0}, torch::kUInt8)).flatten();
+          if (!defined.any().item<bool>()) {  // no rank has one
+            grads.push_back(c10::IValue());
+            continue;
+          }
+          checkpoint::Dict g = checkpoint::make_dict();
+          g.insert("defined", defined);
+          g.insert("grad", gather_ranks(p.grad().defined() ? p.grad().detach() : torch::zeros_like(p)));
+          grads.push_back(g);
         }
       }
     }
@@ -821,7 +829,11 @@ class Trainer {
     {
       torch::NoGradGuard no_grad;
       for (std::size_t i = 0; i < grads.size(); ++i) {
-        if (grads[i].isTensor()) params_[i].mutable_grad() = row(grads[i].toTensor()).to(params_[i].device()).clone();
+        if (!grads[i].isGenericDict()) continue;
+        const auto g = grads[i].toGenericDict();
+        if (row(g.at("defined").toTensor()).template item<uint8_t>() != 0) {
+          params_[i].mutable_grad() = row(g.at("grad").toTensor()).to(params_[i].device());
+        }
       }
     }
     if constexpr (detail::PositionedLoader<TL>) {

@@ -399,39 +399,34 @@ inline data::LoaderState to_loader_state(const Dict& d, const std::string& path)
                            static_cast<int>(i("world_size"))};
 }
 
-/// The default generators' states of this process: CPU, then every CUDA device (when there are any).
-inline std::vector<at::Tensor> rng_states() {
-  std::vector<at::Tensor> out;
-  {
-    at::Generator g = at::globalContext().defaultGenerator(c10::DeviceType::CPU);
-    std::lock_guard<std::mutex> lock(g.mutex());
-    out.push_back(g.get_state());
-  }
+/// The default generators of this process: CPU, then every CUDA device (when there are any).
+inline std::vector<at::Generator> default_generators() {
+  std::vector<at::Generator> out{at::globalContext().defaultGenerator(c10::DeviceType::CPU)};
   if (at::globalContext().hasCUDA()) {
     const int n = static_cast<int>(at::detail::getCUDAHooks().getNumGPUs());
     for (int i = 0; i < n; ++i) {
-      at::Generator g = at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i)));
-      std::lock_guard<std::mutex> lock(g.mutex());
-      out.push_back(g.get_state());
+      out.push_back(at::globalContext().defaultGenerator(
+          c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i))));
     }
   }
   return out;
 }
-inline void set_rng_states(const std::vector<at::Tensor>& states) {
-  if (states.empty()) return;
-  {
-    at::Generator g = at::globalContext().defaultGenerator(c10::DeviceType::CPU);
+
+/// Their states, in that order.
+inline std::vector<at::Tensor> rng_states() {
+  std::vector<at::Tensor> out;
+  for (auto& g : default_generators()) {
     std::lock_guard<std::mutex> lock(g.mutex());
-    g.set_state(states[0]);
+    out.push_back(g.get_state());
   }
-  if (at::globalContext().hasCUDA()) {
-    const int n = std::min<int>(static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()),
-                                static_cast<int>(states.size()) - 1);
-    for (int i = 0; i < n; ++i) {
-      at::Generator g = at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i)));
-      std::lock_guard<std::mutex> lock(g.mutex());
-      g.set_state(states[static_cast<std::size_t>(i) + 1]);
-    }
+  return out;
+}
+/// Sets them from states in that order (as many as both sides have).
+inline void set_rng_states(const std::vector<at::Tensor>& states) {
+  auto generators = default_generators();
+  for (std::size_t i = 0; i < std::min(states.size(), generators.size()); ++i) {
+    std::lock_guard<std::mutex> lock(generators[i].mutex());
+    generators[i].set_state(states[i]);
   }
 }
 

@@ -703,22 +703,9 @@ class Trainer {
     std::string found;
     std::apply([&](const auto&... cb) {
       auto one = [&](const auto& c) {
-        if constexpr (requires { c.find_last_checkpoint(*this); }) {
+        if constexpr (requires { c.find_last_checkpoint(*this); c.find_best_checkpoint(*this); }) {
           any = true;
-          if (!found.empty()) return;
-          if (path == "last") {
-            found = c.find_last_checkpoint(*this);
-          } else if (!c.best_model_path().empty()) {
-            found = c.best_model_path();
-          } else if (const std::string last = c.find_last_checkpoint(*this); !last.empty()) {
-            // A new process: the best path is in the callback's state inside its newest checkpoint.
-            const checkpoint::Dict d = checkpoint::read(last);
-            if (d.contains("callbacks")) {
-              const auto cbs = d.at("callbacks").toGenericDict();
-              const std::string key = callback_key(c);
-              if (cbs.contains(key)) found = cbs.at(key).toGenericDict().at("best_model_path").toStringRef();
-            }
-          }
+          if (found.empty()) found = path == "last" ? c.find_last_checkpoint(*this) : c.find_best_checkpoint(*this);
         }
       };
       (one(cb), ...);

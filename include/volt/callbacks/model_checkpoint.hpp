@@ -105,9 +105,7 @@ class ModelCheckpoint {
   template <class T, class M>
   void setup(T& trainer, M&, Stage stage) {
     if (stage != Stage::train) return;
-    dirpath_ = options_.dirpath.empty()
-                   ? (std::filesystem::path(trainer.options().default_root_dir) / "checkpoints").string()
-                   : options_.dirpath;
+    dirpath_ = folder(trainer).string();
   }
 
   template <class T, class M, class B>
@@ -143,9 +141,7 @@ class ModelCheckpoint {
   /// `.ckpt` file; "" when the folder holds none.
   template <class T>
   std::string find_last_checkpoint(const T& trainer) const {
-    const std::filesystem::path dir =
-        options_.dirpath.empty() ? std::filesystem::path(trainer.options().default_root_dir) / "checkpoints"
-                                 : std::filesystem::path(options_.dirpath);
+    const std::filesystem::path dir = folder(trainer);
     std::error_code ec;
     const auto last = dir / (std::string(kLastName) + kExtension);
     if (std::filesystem::is_regular_file(last, ec)) return last.string();
@@ -160,6 +156,20 @@ class ModelCheckpoint {
       }
     }
     return newest;
+  }
+
+  /// Its best checkpoint: the one it knows, or in a new process the best its newest checkpoint records
+  /// (its own state inside that file); "" when there is none.
+  template <class T>
+  std::string find_best_checkpoint(const T& trainer) const {
+    if (!best_model_path_.empty()) return best_model_path_;
+    const std::string last = find_last_checkpoint(trainer);
+    if (last.empty()) return "";
+    const checkpoint::Dict d = checkpoint::read(last);
+    if (!d.contains("callbacks")) return "";
+    const auto states = d.at("callbacks").toGenericDict();
+    if (!states.contains(state_key())) return "";
+    return states.at(state_key()).toGenericDict().at("best_model_path").toStringRef();
   }
 
   checkpoint::Dict state_dict() const {
@@ -234,6 +244,12 @@ class ModelCheckpoint {
   }
 
  private:
+  template <class T>
+  std::filesystem::path folder(const T& trainer) const {
+    return options_.dirpath.empty() ? std::filesystem::path(trainer.options().default_root_dir) / "checkpoints"
+                                    : std::filesystem::path(options_.dirpath);
+  }
+
   template <class T>
   bool skip(const T& trainer) const {
     return trainer.fast_dev_run() || !trainer.fitting() || trainer.sanity_checking() ||

@@ -34,6 +34,15 @@ inline uint32_t be32(const std::vector<uint8_t>& b, std::size_t at) {
   return (uint32_t(b[at]) << 24) | (uint32_t(b[at + 1]) << 16) | (uint32_t(b[at + 2]) << 8) | uint32_t(b[at + 3]);
 }
 
+/// The files `load` reads, or the first one missing from `dir` (empty when all are there).
+inline std::string missing_file(const std::filesystem::path& dir) {
+  for (const char* name : {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+                           "t10k-labels-idx1-ubyte.gz"}) {
+    if (!std::filesystem::is_regular_file(dir / name)) return (dir / name).string();
+  }
+  return {};
+}
+
 /// Images as float [N, 1, 28, 28] normalised to mean 0 / std 1 (the training set's statistics), labels as int64 [N].
 inline std::pair<torch::Tensor, torch::Tensor> load(const std::filesystem::path& dir, bool train) {
   const std::string prefix = train ? "train" : "t10k";

@@ -1,8 +1,33 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds everything and runs the whole test suite through CTest.
+#   bash scripts/test.sh [--torch 1.13|2.11] [ctest arguments...]
+# --torch 1.13 (the default): Debian's libtorch-dev, in build/.
+# --torch 2.11: pip's torch 2.11 (LibTorch with CUDA, run here on the CPU; scripts/install-torch.sh puts it in a
+#               virtual environment once), in build-torch2.11/. Needs the CUDA toolkit (nvcc) to configure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+lane=1.13
+ctest_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --torch) lane=$2; shift 2 ;;
+    --torch=*) lane=${1#--torch=}; shift ;;
+    *) ctest_args+=("$1"); shift ;;
+  esac
+done
 bash scripts/install-deps.sh --tests
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
-cmake --build build -j2
-ctest --test-dir build --output-on-failure -j2 "$@"
+if [ "$lane" = "1.13" ]; then
+  build=build
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release
+else
+  if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+    echo "volt: the LibTorch $lane lane builds against pip's torch, whose CMake files need the CUDA toolkit (nvcc);" \
+         "none was found on PATH or in ${CUDA_HOME:-/usr/local/cuda}. Install it or set CUDA_HOME." >&2
+    exit 1
+  fi
+  torch_dir=$(bash scripts/install-torch.sh "$lane")
+  build=build-torch$lane
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir"
+fi
+cmake --build "$build" -j2
+ctest --test-dir "$build" --output-on-failure -j2 ${ctest_args[@]+"${ctest_args[@]}"}

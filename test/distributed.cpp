@@ -8,6 +8,9 @@
 //   distributed fail <script|spawn> RANK STEP         rank RANK throws at step STEP (the job must end)
 //   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
 //                                                     with MESSAGE in its output and leaves no process behind
+//   distributed gpu-ddp <script|spawn>                DDP<L, Nccl> with Bf16Mixed on one GPU (world size 1: NCCL
+//                                                     refuses two ranks on one device) == SingleDevice; exits 77
+//                                                     where CUDA or NCCL is missing
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
@@ -322,6 +325,39 @@ int expect_failure(double timeout, const std::string& message, std::vector<std::
   return failures == 0 ? 0 : 1;
 }
 
+/// DDP over NCCL at world size 1 must train exactly as SingleDevice does: same data order, same bf16 autocast
+/// kernels, gradients averaged over one rank. Under Spawn the reference runs in the main process after fit.
+template <class L>
+int gpu_ddp_scenario() {
+#if VOLT_WITH_NCCL
+  if (!volt::GPU::is_available()) {
+    std::cout << "no CUDA device visible: skipped" << std::endl;
+    return 77;
+  }
+  const int64_t n = 64;
+  const int epochs = 2;
+  auto [x, y] = data(n);
+  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}); };
+  Net ddp_net;
+  volt::Trainer<volt::DDP<L, volt::Nccl>, volt::Bf16Mixed, volt::GPU> trainer({.devices = 1, .max_epochs = epochs});
+  trainer.fit(ddp_net, loader());
+  // Under Script this process was the rank; under Spawn only the main process gets here.
+  Net ref_net;
+  volt::Trainer<volt::SingleDevice, volt::Bf16Mixed, volt::GPU> reference({.max_epochs = epochs});
+  reference.fit(ref_net, loader());
+  const torch::Tensor got = flat(*ddp_net), want = flat(*ref_net);
+  const double diff = (got - want).abs().max().item<double>();
+  std::cout << "max |DDP<" << L::name << ", Nccl> - SingleDevice| = " << diff << std::endl;
+  check(trainer.global_step() == reference.global_step(), "both ran the same number of steps");
+  check(!torch::equal(want, flat(*Net{})), "the reference trained");
+  check(torch::allclose(got, want, 1e-5, 1e-6), "DDP<" + std::string(L::name) + ", Nccl> at world size 1 equals SingleDevice");
+  return failures == 0 ? 0 : 1;
+#else
+  std::cout << "volt::nccl is not linked (no NCCL or no CUDA LibTorch at configure time): skipped" << std::endl;
+  return 77;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -343,6 +379,7 @@ int main(int argc, char** argv) {
       return spawn ? indices_scenario<volt::Spawn>(n) : indices_scenario<volt::Script>(n);
     }
     if (what == "metrics") return metrics_scenario();
+    if (what == "gpu-ddp") return spawn ? gpu_ddp_scenario<volt::Spawn>() : gpu_ddp_scenario<volt::Script>();
     if (what == "fail") {
       const int rank = std::stoi(a.at(2)), step = std::stoi(a.at(3));
       return spawn ? fail_scenario<volt::Spawn>(rank, step) : fail_scenario<volt::Script>(rank, step);

@@ -50,42 +50,94 @@ TEST_CASE("GPU Bf16Mixed and Fp16Mixed train to a lower loss", "[.gpu]") {
   run(volt::Fp16Mixed{});
 }
 
-TEST_CASE("GPU Fp16Mixed skips a step whose gradients hold an inf, backs off and keeps training", "[.gpu]") {
-  struct Poisoned : vt::RegressorImpl {
-    int64_t poison_step = 2;
-    torch::Tensor weight_before;
-    void on_after_backward(volt::Context& ctx) {
-      if (ctx.global_step() == poison_step) {
-        torch::NoGradGuard g;
-        lin->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
-        weight_before = lin->weight.detach().clone();
+namespace {
+/// Fp16Mixed on the regressor with an inf put into one gradient after backward at step `poison_step`.
+struct PoisonedImpl : vt::RegressorImpl {
+  int64_t poison_step = 2;
+  void on_after_backward(volt::Context& ctx) {
+    if (ctx.global_step() == poison_step) {
+      torch::NoGradGuard g;
+      lin->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+    }
+  }
+};
+
+/// The loss scale after each optimizer step and whether that step was skipped.
+struct ScaleRecorder {
+  std::vector<double> scales;
+  std::vector<bool> skipped;
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
+    scales.push_back(trainer.precision().scaler().get_scale());
+    skipped.push_back(trainer.precision().scaler().last_step_skipped());
+  }
+};
+
+/// The independent reference: the same model, data and poison in a hand-written CUDA loop that scales the loss
+/// and calls ATen's own AMP kernels, as PyTorch's torch.amp.GradScaler does (init 65536, growth 2 every 2000
+/// clean steps, backoff 0.5).
+struct AtenAmpLoop {
+  std::vector<double> scales;
+  std::vector<bool> skipped;
+  void run(vt::RegressorImpl& m, const volt::data::TensorLoader& loader, int epochs, int64_t poison_step) {
+    m.to(torch::kCUDA);
+    torch::optim::SGD opt(m.parameters(), torch::optim::SGDOptions(m.lr));
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCUDA);
+    torch::Tensor scale = torch::full({1}, 65536.0f, f32);
+    torch::Tensor tracker = torch::zeros({1}, f32.dtype(torch::kInt32));
+    int64_t step = 0;
+    for (int e = 0; e < epochs; ++e) {
+      for (auto b : loader) {
+        opt.zero_grad();
+        torch::Tensor loss;
+        {
+          volt::detail::AutocastGuard autocast(c10::DeviceType::CUDA, at::kHalf);
+          loss = vt::mse(m.forward(b.data.cuda()), b.target.cuda());
+        }
+        (loss * scale).backward();
+        if (step == poison_step) {
+          torch::NoGradGuard g;
+          m.lin->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+        }
+        std::vector<torch::Tensor> grads;
+        for (auto& p : m.parameters()) grads.push_back(p.grad());
+        torch::Tensor found_inf = torch::zeros({1}, f32);
+        at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.double().reciprocal().to(torch::kFloat32));
+        const bool skip = found_inf.item<float>() != 0.0f;
+        if (!skip) opt.step();
+        at::_amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000);
+        scales.push_back(scale.item<float>());
+        skipped.push_back(skip);
+        ++step;
       }
     }
-    void on_train_batch_end(const torch::Tensor&, const torch::data::Example<>&, int64_t, volt::Context& ctx) {
-      if (ctx.global_step() == poison_step + 1 && weight_before.defined()) {
-        CHECK(torch::equal(lin->weight.detach(), weight_before));  // the poisoned step changed nothing
-      }
-    }
-  } m;
+  }
+};
+}  // namespace
+
+TEST_CASE("GPU Fp16Mixed: loss scale and skipped steps equal a loop on ATen's AMP kernels, step by step", "[.gpu]") {
   auto loader = gpu_loader(128, 16);
-  volt::Trainer<volt::SingleDevice, volt::Fp16Mixed, volt::GPU> t({.max_epochs = 3});
-  t.fit(m, loader);
-  CHECK(t.precision().scaler().get_scale() == 32768.0);  // 65536 backed off once, no growth in 24 steps
+  PoisonedImpl a;
+  vt::RegressorImpl b;
+  vt::copy_weights(a, b);
+  auto t = volt::make_trainer<volt::SingleDevice, volt::Fp16Mixed, volt::GPU>({.max_epochs = 3}, ScaleRecorder{});
+  t.fit(a, loader);
+  AtenAmpLoop ref;
+  ref.run(b, loader, 3, a.poison_step);
+  const auto& got = t.callback<ScaleRecorder>();
+  REQUIRE(ref.scales.size() == 24);
   CHECK(t.global_step() == 24);
+  CHECK(got.scales == ref.scales);
+  CHECK(got.skipped == ref.skipped);
+  CHECK(ref.skipped[static_cast<std::size_t>(a.poison_step)]);  // the poisoned step was skipped by both
+  CHECK(torch::allclose(vt::flat_params(a).cpu(), vt::flat_params(b).cpu(), 1e-6, 1e-7));
   auto [x, y] = vt::regression_data(128);
   torch::NoGradGuard g;
-  CHECK(vt::mse(m.forward(x.cuda()).cpu(), y).item<double>() < 1.0);
+  CHECK(vt::mse(a.forward(x.cuda()).cpu(), y).item<double>() < 1.0);
 }
 
 TEST_CASE("GPU Fp16Mixed resumed mid-run from a checkpoint ends bit-identical, loss scale included", "[.gpu]") {
-  struct Poisoned : vt::RegressorImpl {  // one inf at step 2: the scale backs off to 32768
-    void on_after_backward(volt::Context& ctx) {
-      if (ctx.global_step() == 2) {
-        torch::NoGradGuard g;
-        lin->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
-      }
-    }
-  };
+  using Poisoned = PoisonedImpl;  // one inf at step 2
   const auto dir = std::filesystem::temp_directory_path() / ("volt_gpu_resume_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   auto make = [&](const std::string& sub) {
@@ -99,12 +151,13 @@ TEST_CASE("GPU Fp16Mixed resumed mid-run from a checkpoint ends bit-identical, l
   Poisoned a;
   auto ta = make("a");
   ta.fit(a, loader());
-  REQUIRE(ta.precision().scaler().get_scale() == 32768.0);
+  const double final_scale = ta.precision().scaler().get_scale();  // the uninterrupted run's
+  REQUIRE(final_scale < 65536.0);                                   // it backed off at least once
   for (const int step : {1, 5, 11}) {  // before the inf, after it, in the second epoch
     Poisoned b;
     auto tb = make("b" + std::to_string(step));
     tb.fit(b, loader(), volt::NoLoader{}, (dir / "a" / ("step=" + std::to_string(step) + ".ckpt")).string());
-    CHECK(tb.precision().scaler().get_scale() == 32768.0);
+    CHECK(tb.precision().scaler().get_scale() == final_scale);
     CHECK(torch::equal(a.lin->weight, b.lin->weight));
     CHECK(torch::equal(a.lin->bias, b.lin->bias));
   }

@@ -402,6 +402,43 @@ TEST_CASE("epoch values are batch-size weighted means; step values are the last 
   CHECK(metrics.count("v") == 0);
 }
 
+namespace {
+struct PlainBatch {  // a batch type volt has no BatchTraits for
+  torch::Tensor x, y;
+};
+}  // namespace
+
+TEST_CASE("a batch type without BatchTraits trains on CPU/Fp32; ctx.log then needs its size", "[trainer]") {
+  auto [x, y] = vt::regression_data(48);
+  auto loader = make_loader(x, y, 16);
+  std::vector<PlainBatch> plain;
+  for (auto b : loader) plain.push_back({b.data, b.target});
+  struct Plain : vt::RegressorImpl {
+    bool give_size = true;
+    torch::Tensor training_step(const PlainBatch& b, volt::Context& ctx) {
+      auto loss = vt::mse(forward(b.x), b.y);
+      if (give_size) {
+        ctx.log("loss", loss, {.on_epoch = true, .batch_size = b.x.size(0)});
+      } else {
+        ctx.log("loss", loss, {.on_epoch = true});
+      }
+      return loss;
+    }
+  } a;
+  Regressor ref;
+  vt::copy_weights(a, *ref);
+  volt::Trainer<volt::SingleDevice, volt::Fp32, volt::CPU> trainer({.max_epochs = 2});
+  trainer.fit(a, plain);
+  hand_loop(*ref, loader, 2);
+  CHECK(torch::allclose(vt::flat_params(a), vt::flat_params(*ref), 1e-6, 1e-7));
+  CHECK(trainer.callback_metric_values().count("loss_epoch") + trainer.callback_metric_values().count("loss") == 1);
+
+  a.give_size = false;
+  volt::Trainer<volt::SingleDevice, volt::Fp32, volt::CPU> again({.max_epochs = 1});
+  CHECK_THROWS_WITH(again.fit(a, plain), Contains("log(\"loss\")") && Contains("PlainBatch") &&
+                                             Contains(".batch_size = n") && Contains("BatchTraits"));
+}
+
 TEST_CASE("validate, test and predict run without autograd and return their results", "[trainer]") {
   auto [x, y] = vt::regression_data(40);
   auto loader = make_loader(x, y, 8);

@@ -2,7 +2,34 @@
 
 #include "common.hpp"
 
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+
 using Catch::Matchers::Contains;
+
+// ---- the C++ runtime ----------------------------------------------------------------------------------
+
+// pip's LibTorch exports a copy of std::filesystem whose remove_all jumps to address 0; volt::volt links
+// libstdc++ first so that programs bind to the runtime's own copy (CMakeLists.txt, VOLT_LIBSTDCXX_FIRST).
+TEST_CASE("std::filesystem calls reach the C++ runtime, not a copy inside LibTorch", "[unit]") {
+  using RemoveAll = std::uintmax_t (*)(const std::filesystem::path&);
+  const RemoveAll remove_all = &std::filesystem::remove_all;
+  Dl_info info{};
+  REQUIRE(::dladdr(reinterpret_cast<void*>(remove_all), &info) != 0);
+  REQUIRE(info.dli_fname != nullptr);
+  INFO("std::filesystem::remove_all resolves into " << info.dli_fname);
+  CHECK_THAT(info.dli_fname, Contains("libstdc++"));
+  // And the call that crashed: a tree of folders and a file.
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_fs_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "a" / "b");
+  std::ofstream(dir / "a" / "b" / "f") << "x";
+  CHECK(std::filesystem::remove_all(dir) == 4);
+  CHECK_FALSE(std::filesystem::exists(dir));
+}
 
 // ---- concept truth tables ------------------------------------------------------------------------------
 
@@ -96,6 +123,43 @@ TEST_CASE("GradScaler skips a step with inf/NaN gradients, backs off, grows, and
   CHECK(scaler.growth_tracker() == 0);
 }
 
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+// LibTorch 2.3 added CPU kernels for the AMP ops, so on the CPU the scaler can be checked against ATen's own.
+TEST_CASE("GradScaler on the CPU follows ATen's AMP kernels step by step", "[unit][scaler]") {
+  const volt::GradScalerOptions o{.init_scale = 1024.0, .growth_factor = 2.0, .backoff_factor = 0.25, .growth_interval = 3};
+  OneParam p;
+  volt::GradScaler scaler(o);
+  torch::Tensor ref_w = p.w.detach().clone();
+  torch::Tensor ref_scale = torch::full({1}, static_cast<float>(o.init_scale));
+  torch::Tensor ref_tracker = torch::zeros({1}, torch::kInt32);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int step = 0; step < 14; ++step) {
+    torch::Tensor g = torch::randn({3}, gen);
+    if (step == 2 || step == 9) g[1] = inf;
+    if (step == 10) g[0] = std::nanf("");
+    // volt: the loss's gradient is g times the scale.
+    p.opt.zero_grad();
+    scaler.scale((p.w * g).sum()).backward();
+    const bool stepped = scaler.step(p.opt);
+    scaler.update();
+    // ATen: the same scaled gradient, unscaled and checked by its kernel; SGD written out.
+    torch::Tensor ref_g = g * ref_scale;
+    torch::Tensor found = torch::zeros({1});
+    std::vector<torch::Tensor> grads{ref_g};
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found, ref_scale.to(torch::kFloat64).reciprocal().to(torch::kFloat32));
+    const bool ref_stepped = found.item<float>() == 0.0f;
+    if (ref_stepped) ref_w -= 0.1 * ref_g;
+    at::_amp_update_scale_(ref_scale, ref_tracker, found, o.growth_factor, o.backoff_factor, o.growth_interval);
+    INFO("step " << step);
+    CHECK(stepped == ref_stepped);
+    CHECK(scaler.get_scale() == ref_scale.item<float>());
+    CHECK(scaler.growth_tracker() == ref_tracker.item<int32_t>());
+    CHECK(torch::allclose(p.w.detach(), ref_w, 1e-6, 1e-7));
+  }
+}
+#endif
+
 TEST_CASE("GradScaler's state round-trips and bad options are refused", "[unit][scaler]") {
   OneParam p;
   volt::GradScaler a({.init_scale = 256.0, .growth_interval = 5});
@@ -164,6 +228,23 @@ TEST_CASE("batch helpers reach every tensor of nested batches", "[unit]") {
   torch::data::Example<> e{torch::ones({5, 2}), torch::ones({5})};
   CHECK(volt::infer_batch_size(e) == 5);
   CHECK(volt::batch_to_device(e, torch::kCPU).data.sizes() == e.data.sizes());
+}
+
+namespace {
+struct Opaque {  // no BatchTraits
+  torch::Tensor x;
+};
+}  // namespace
+
+TEST_CASE("MappableBatch: which batch types volt can look inside", "[unit]") {
+  STATIC_REQUIRE(volt::MappableBatch<torch::Tensor>);
+  STATIC_REQUIRE(volt::MappableBatch<torch::data::Example<>>);
+  STATIC_REQUIRE(volt::MappableBatch<std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::pair<int, torch::Tensor>>>);
+  STATIC_REQUIRE(volt::MappableBatch<std::map<std::string, std::optional<torch::Tensor>>>);
+  STATIC_REQUIRE_FALSE(volt::MappableBatch<Opaque>);
+  STATIC_REQUIRE_FALSE(volt::MappableBatch<std::vector<Opaque>>);  // a known container of an unknown type
+  STATIC_REQUIRE_FALSE(volt::MappableBatch<std::pair<torch::Tensor, Opaque>>);
+  STATIC_REQUIRE_FALSE(volt::MappableBatch<torch::data::Example<Opaque, torch::Tensor>>);
 }
 
 TEST_CASE("TensorLoader: sizes, views, per-epoch seeded shuffles", "[unit][data]") {

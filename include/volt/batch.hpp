@@ -5,7 +5,12 @@
 ///
 /// Understood out of the box: `torch::Tensor`, `torch::data::Example<T, U>`, `std::vector`, `std::array`,
 /// `std::pair`, `std::tuple`, `std::optional`, `std::map`/`std::unordered_map` values, and any arithmetic or
-/// string leaf (left as is). For your own batch type, specialise `volt::BatchTraits`:
+/// string leaf (left as is).
+///
+/// Any other batch type works as it is where volt need not look inside it: `Fp32`, `Bf16Mixed` or `Bf16True`
+/// on the `CPU` (nothing to move, nothing to cast). volt must look inside a batch to move it to a `GPU` or to cast
+/// it for `Fp64True`/`Bf16True` (a compile error says so), and `ctx.log` must find its size for an epoch mean
+/// unless you give `.batch_size` (a run-time error says so). For those, specialise `volt::BatchTraits`:
 /// \code
 ///   struct Pair { torch::Tensor x, y; };
 ///   template <> struct volt::BatchTraits<Pair> {
@@ -17,6 +22,7 @@
 #include <torch/types.h>
 
 #include <array>
+#include <concepts>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -37,7 +43,20 @@ struct BatchTraits;
 namespace detail {
 template <class>
 inline constexpr bool dependent_false = false;
+/// A callable the mapping concept probes with: tensor in, tensor out.
+struct TensorIdentity {
+  torch::Tensor operator()(const torch::Tensor& t) const { return t; }
+};
 }  // namespace detail
+
+/// A batch volt can look inside: a tensor, a leaf it leaves alone, or a type whose `BatchTraits` can map
+/// every tensor in it (the built-in traits require this of their elements, so `std::vector<Unknown>` is not).
+template <class B>
+concept MappableBatch =
+    std::is_same_v<B, torch::Tensor> || std::is_arithmetic_v<B> || std::is_enum_v<B> || std::is_same_v<B, std::string> ||
+    requires(const B& b, detail::TensorIdentity f) {
+      { BatchTraits<B>::map(b, f) } -> std::convertible_to<B>;
+    };
 
 /// Applies `f(const torch::Tensor&) -> torch::Tensor` to every tensor inside `batch`, returning a batch of
 /// the same type.
@@ -46,7 +65,7 @@ B map_tensors(const B& batch, F&& f) {
   using T = std::remove_cvref_t<B>;
   if constexpr (std::is_same_v<T, torch::Tensor>) {
     return batch.defined() ? f(batch) : batch;
-  } else if constexpr (requires { BatchTraits<T>::map(batch, f); }) {
+  } else if constexpr (MappableBatch<T>) {
     return BatchTraits<T>::map(batch, f);
   } else if constexpr (std::is_arithmetic_v<T> || std::is_enum_v<T> || std::is_same_v<T, std::string>) {
     return batch;
@@ -61,6 +80,7 @@ B map_tensors(const B& batch, F&& f) {
 template <class Data, class Target>
 struct BatchTraits<torch::data::Example<Data, Target>> {
   template <class F>
+    requires MappableBatch<Data> && MappableBatch<Target>
   static torch::data::Example<Data, Target> map(const torch::data::Example<Data, Target>& b, F&& f) {
     return {map_tensors(b.data, f), map_tensors(b.target, f)};
   }
@@ -69,6 +89,7 @@ struct BatchTraits<torch::data::Example<Data, Target>> {
 template <class Data>
 struct BatchTraits<torch::data::Example<Data, torch::data::example::NoTarget>> {
   template <class F>
+    requires MappableBatch<Data>
   static torch::data::Example<Data, torch::data::example::NoTarget> map(
       const torch::data::Example<Data, torch::data::example::NoTarget>& b, F&& f) {
     return {map_tensors(b.data, f)};
@@ -78,6 +99,7 @@ struct BatchTraits<torch::data::Example<Data, torch::data::example::NoTarget>> {
 template <class T, class A>
 struct BatchTraits<std::vector<T, A>> {
   template <class F>
+    requires MappableBatch<T>
   static std::vector<T, A> map(const std::vector<T, A>& b, F&& f) {
     std::vector<T, A> out;
     out.reserve(b.size());
@@ -89,6 +111,7 @@ struct BatchTraits<std::vector<T, A>> {
 template <class T, std::size_t N>
 struct BatchTraits<std::array<T, N>> {
   template <class F>
+    requires MappableBatch<T>
   static std::array<T, N> map(const std::array<T, N>& b, F&& f) {
     std::array<T, N> out;
     for (std::size_t i = 0; i < N; ++i) out[i] = map_tensors(b[i], f);
@@ -99,6 +122,7 @@ struct BatchTraits<std::array<T, N>> {
 template <class T, class U>
 struct BatchTraits<std::pair<T, U>> {
   template <class F>
+    requires MappableBatch<T> && MappableBatch<U>
   static std::pair<T, U> map(const std::pair<T, U>& b, F&& f) {
     return {map_tensors(b.first, f), map_tensors(b.second, f)};
   }
@@ -107,6 +131,7 @@ struct BatchTraits<std::pair<T, U>> {
 template <class... Ts>
 struct BatchTraits<std::tuple<Ts...>> {
   template <class F>
+    requires (MappableBatch<Ts> && ...)
   static std::tuple<Ts...> map(const std::tuple<Ts...>& b, F&& f) {
     return std::apply([&](const auto&... xs) { return std::tuple<Ts...>{map_tensors(xs, f)...}; }, b);
   }
@@ -115,6 +140,7 @@ struct BatchTraits<std::tuple<Ts...>> {
 template <class T>
 struct BatchTraits<std::optional<T>> {
   template <class F>
+    requires MappableBatch<T>
   static std::optional<T> map(const std::optional<T>& b, F&& f) {
     return b ? std::optional<T>{map_tensors(*b, f)} : std::nullopt;
   }
@@ -123,6 +149,7 @@ struct BatchTraits<std::optional<T>> {
 template <class K, class V, class C, class A>
 struct BatchTraits<std::map<K, V, C, A>> {
   template <class F>
+    requires MappableBatch<V>
   static std::map<K, V, C, A> map(const std::map<K, V, C, A>& b, F&& f) {
     std::map<K, V, C, A> out;
     for (const auto& [k, v] : b) out.emplace(k, map_tensors(v, f));
@@ -133,6 +160,7 @@ struct BatchTraits<std::map<K, V, C, A>> {
 template <class K, class V, class H, class E, class A>
 struct BatchTraits<std::unordered_map<K, V, H, E, A>> {
   template <class F>
+    requires MappableBatch<V>
   static std::unordered_map<K, V, H, E, A> map(const std::unordered_map<K, V, H, E, A>& b, F&& f) {
     std::unordered_map<K, V, H, E, A> out;
     for (const auto& [k, v] : b) out.emplace(k, map_tensors(v, f));

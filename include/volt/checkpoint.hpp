@@ -35,6 +35,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+#include <torch/serialize.h>  // torch::pickle_save / pickle_load
 #include <torch/types.h>
 #include <zlib.h>
 

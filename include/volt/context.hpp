@@ -11,6 +11,7 @@
 /// \endcode
 /// A Context is not tied to the Trainer's type, so modules stay plain classes.
 
+#include <c10/util/Type.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <typeinfo>
 #include <vector>
 
 namespace volt {
@@ -170,7 +172,8 @@ struct LoopState {
   int world_size = 1;
   torch::Device device = torch::kCPU;
   const void* batch = nullptr;                        // the current batch, for batch-size inference
-  int64_t (*batch_size_of)(const void*) = nullptr;  // typed by the loop that set `batch`
+  int64_t (*batch_size_of)(const void*) = nullptr;  // typed by the loop that set `batch`; -1: cannot tell
+  const std::type_info* batch_type = nullptr;        // for messages
   Collectives* collectives = nullptr;                // the strategy's, set when a run starts
 };
 
@@ -231,6 +234,13 @@ class Context {
         batch_size = *options.batch_size;
       } else if (state_->batch != nullptr) {
         batch_size = state_->batch_size_of(state_->batch);
+        if (batch_size < 0) {
+          throw std::invalid_argument(
+              "volt: log(\"" + std::string(name) + "\") averages over the epoch weighted by batch size, but volt "
+              "cannot look inside the batch type " + c10::demangle(state_->batch_type->name()) +
+              " to find its size. Pass the size, log(name, value, {.batch_size = n}), or specialise "
+              "volt::BatchTraits for that type (see volt/batch.hpp).");
+        }
       }
     }
     store_->add(name, value, options, on_step, on_epoch, batch_size);

@@ -38,6 +38,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -119,9 +120,15 @@ void for_each_batch(L& loader, int64_t limit, F&& f, int64_t start = 0, bool ski
   }
 }
 
+/// The size of a batch of type `B` for weighted epoch means, or -1 when volt cannot look inside `B`
+/// (Context::log then asks for `.batch_size`).
 template <class B>
 int64_t batch_size_of(const void* batch) {
-  return infer_batch_size(*static_cast<const B*>(batch));
+  if constexpr (MappableBatch<B>) {
+    return infer_batch_size(*static_cast<const B*>(batch));
+  } else {
+    return -1;
+  }
 }
 
 /// A callback that receives metrics for writing (on_log_metrics).
@@ -454,6 +461,7 @@ class Trainer {
     state_.in_batch = true;
     state_.batch = &batch;
     state_.batch_size_of = &detail::batch_size_of<B>;
+    state_.batch_type = &typeid(B);
   }
   void leave_batch() {
     state_.in_batch = false;

@@ -1,8 +1,15 @@
-// A program using volt as a user would: fits a linear model and checks that the loss fell.
+// A program using volt as a user would: fits a linear model and checks that the loss fell. It also removes a
+// folder tree with std::filesystem, which crashes when the program's link line lets pip's LibTorch own those
+// calls (volt::volt puts libstdc++ first; see the README).
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <string>
+
+#include <unistd.h>
 
 struct Lin : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
@@ -24,5 +31,9 @@ int main() {
   trainer.fit(m, loader);
   const double after = torch::mse_loss(m.lin(x), y).item<double>();
   std::cout << "volt " << volt::version_string << ": loss " << before << " -> " << after << "\n";
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_consumer_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "a" / "b");
+  std::ofstream(dir / "a" / "b" / "f") << "x";
+  std::cout << "removed " << std::filesystem::remove_all(dir) << " entries\n";
   return after < 0.01 * before ? 0 : 1;
 }

@@ -1,20 +1,36 @@
-# Builds and runs a consumer project of volt. MODE: find_package (install volt to a prefix first) or
-# add_subdirectory (the consumer adds the source tree itself).
+# Builds and runs a consumer project of volt. MODE: find_package (install volt to a prefix first), add_subdirectory
+# (the consumer adds the source tree itself) or nccl (add_subdirectory, linking volt::nccl: configure only).
+# VOLT_PREFIX_PATH ('|' for ';') and VOLT_TORCH_DIR: what the build under test was configured with, so that the
+# consumer finds the same LibTorch.
 file(REMOVE_RECURSE ${WORK})
 set(src ${CMAKE_CURRENT_LIST_DIR}/${MODE})
-set(args)
+string(REPLACE "|" ";" prefix_path "${VOLT_PREFIX_PATH}")
+set(args -DCMAKE_BUILD_TYPE=Release)
+if(VOLT_GENERATOR)
+  list(APPEND args -G ${VOLT_GENERATOR})
+endif()
+if(VOLT_TORCH_DIR)
+  list(APPEND args -DTorch_DIR=${VOLT_TORCH_DIR})
+endif()
 if(MODE STREQUAL "find_package")
   execute_process(COMMAND ${CMAKE_COMMAND} --install ${VOLT_BUILD} --prefix ${WORK}/prefix RESULT_VARIABLE rc)
   if(rc)
     message(FATAL_ERROR "installing volt failed")
   endif()
-  list(APPEND args -DCMAKE_PREFIX_PATH=${WORK}/prefix)
+  list(PREPEND prefix_path ${WORK}/prefix)
 else()
   list(APPEND args -DVOLT_SOURCE=${VOLT_SOURCE})
 endif()
-execute_process(COMMAND ${CMAKE_COMMAND} -S ${src} -B ${WORK}/build -DCMAKE_BUILD_TYPE=Release ${args} RESULT_VARIABLE rc)
+string(REPLACE ";" "\\;" prefix_arg "${prefix_path}")
+list(APPEND args "-DCMAKE_PREFIX_PATH=${prefix_arg}")
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${src} -B ${WORK}/build ${args}
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(rc)
-  message(FATAL_ERROR "configuring the ${MODE} consumer failed")
+  message(FATAL_ERROR "configuring the ${MODE} consumer failed:\n${out}\n${err}")
+endif()
+if(MODE STREQUAL "nccl")
+  message(STATUS "consumer ok: configured with volt::nccl")
+  return()
 endif()
 execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK}/build RESULT_VARIABLE rc)
 if(rc)

@@ -102,7 +102,7 @@ struct AtenAmpLoop {
         std::vector<torch::Tensor> grads;
         for (auto& p : m.parameters()) grads.push_back(p.grad());
         torch::Tensor found_inf = torch::zeros({1}, f32);
-        at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.double().reciprocal().to(torch::kFloat32));
+        at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.to(torch::kFloat64).reciprocal().to(torch::kFloat32));
         const bool skip = found_inf.item<float>() != 0.0f;
         if (!skip) opt.step();
         at::_amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000);

@@ -24,9 +24,23 @@ class Net(nn.Module):  # examples/quickstart_net.hpp
         return self.fc2(x)
 
 
+def load(path):
+    """torch.load as a careful user on PyTorch >= 2.6 calls it: weights_only (the default there), allowing the
+    builders LibTorch's pickler writes for typed dicts and lists (torch.jit._pickle: they only rebuild a list or
+    restore a type annotation)."""
+    if hasattr(torch.serialization, "safe_globals"):
+        from torch.jit import _pickle
+        builders = [_pickle.restore_type_tag, _pickle.build_tensorlist, _pickle.build_intlist,
+                    _pickle.build_doublelist, _pickle.build_boollist]
+        with torch.serialization.safe_globals(builders):
+            return torch.load(path, weights_only=True)
+    return torch.load(path)
+
+
 def main(folder):
-    ckpt = torch.load(f"{folder}/model.ckpt")
-    io = torch.load(f"{folder}/io.pt")
+    print("torch", torch.__version__)
+    ckpt = load(f"{folder}/model.ckpt")
+    io = load(f"{folder}/io.pt")
     print("checkpoint keys:", sorted(ckpt))
     print("format", ckpt["format"], ckpt["format_version"], "volt", ckpt["volt_version"],
           "epoch", ckpt["loops"]["epoch"], "global_step", ckpt["loops"]["global_step"])

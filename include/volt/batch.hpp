@@ -65,10 +65,10 @@ B map_tensors(const B& batch, F&& f) {
   using T = std::remove_cvref_t<B>;
   if constexpr (std::is_same_v<T, torch::Tensor>) {
     return batch.defined() ? f(batch) : batch;
-  } else if constexpr (MappableBatch<T>) {
-    return BatchTraits<T>::map(batch, f);
   } else if constexpr (std::is_arithmetic_v<T> || std::is_enum_v<T> || std::is_same_v<T, std::string>) {
     return batch;
+  } else if constexpr (MappableBatch<T>) {
+    return BatchTraits<T>::map(batch, f);
   } else {
     static_assert(detail::dependent_false<T>,
                   "volt: this batch type is unknown to volt, so it cannot be moved to a device or converted. "

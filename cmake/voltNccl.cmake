@@ -14,14 +14,14 @@ if(NOT TARGET volt::nccl)
   add_library(volt::nccl ALIAS volt_nccl)
   set(VOLT_NCCL_FOUND OFF)
   if(NOT (VOLT_NCCL_INCLUDE_DIR AND VOLT_NCCL_LIBRARY AND VOLT_CUDART_INCLUDE_DIR))
-    set_property(GLOBAL PROPERTY VOLT_NCCL_UNUSABLE
-      "NCCL was not found (nccl.h, libnccl and cuda_runtime_api.h under NCCL_HOME, CUDA_HOME or /usr/local/cuda). "
-      "Install NCCL and the CUDA toolkit, or set NCCL_HOME")
+    string(CONCAT volt_why "NCCL was not found (nccl.h, libnccl and cuda_runtime_api.h under NCCL_HOME, CUDA_HOME or "
+      "/usr/local/cuda). Install NCCL and the CUDA toolkit, or set NCCL_HOME")
+    set_property(GLOBAL PROPERTY VOLT_NCCL_UNUSABLE "${volt_why}")
   elseif(NOT VOLT_TORCH_HAS_CUDA)
-    set_property(GLOBAL PROPERTY VOLT_NCCL_UNUSABLE
-      "the LibTorch found (${TORCH_INSTALL_PREFIX}, version ${Torch_VERSION}) was built without CUDA, and NCCL "
-      "reduces CUDA tensors only. Use a CUDA build of LibTorch (pip's torch, or PyTorch's LibTorch archive for CUDA) "
-      "through CMAKE_PREFIX_PATH, or leave volt::nccl out: volt::Mpi serves CPU tensors")
+    string(CONCAT volt_why "the LibTorch found (${TORCH_INSTALL_PREFIX}, version ${Torch_VERSION}) was built without "
+      "CUDA, and NCCL reduces CUDA tensors only. Use a CUDA build of LibTorch (pip's torch, or PyTorch's LibTorch "
+      "archive for CUDA) through CMAKE_PREFIX_PATH, or leave volt::nccl out: volt::Mpi serves CPU tensors")
+    set_property(GLOBAL PROPERTY VOLT_NCCL_UNUSABLE "${volt_why}")
   else()
     set(VOLT_NCCL_FOUND ON)
     set_target_properties(volt_nccl PROPERTIES
@@ -59,11 +59,11 @@ if(NOT TARGET volt::nccl)
     volt_nccl_users(users)
     if(users)
       list(JOIN users ", " users)
-      message(FATAL_ERROR "volt: ${users} link(s) volt::nccl, but ${why}.")
+      message(FATAL_ERROR "volt: target(s) ${users} link volt::nccl, but ${why}.")
     endif()
   endfunction()
-  get_property(volt_why GLOBAL PROPERTY VOLT_NCCL_UNUSABLE)
-  if(volt_why)
+  get_property(volt_nccl_why GLOBAL PROPERTY VOLT_NCCL_UNUSABLE)
+  if(volt_nccl_why)
     cmake_language(DEFER DIRECTORY "${CMAKE_SOURCE_DIR}" CALL volt_nccl_check_users)
   endif()
 endif()

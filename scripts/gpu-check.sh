@@ -42,7 +42,8 @@ if [ -n "$deps" ]; then
          -DBoost_DIR=/opt/volt-deps/usr/lib/x86_64-linux-gnu/cmake/Boost-1.74.0)
   export LD_LIBRARY_PATH=/opt/volt-deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
-command -v ninja >/dev/null && args+=(-G Ninja)
+# Ninja when there is one, for a new build folder (an existing one keeps its generator).
+command -v ninja >/dev/null && [ ! -f "$build/CMakeCache.txt" ] && args+=(-G Ninja)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
 t0=$(date +%s)

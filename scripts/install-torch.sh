@@ -20,6 +20,7 @@ if [ "$have" != "$version" ]; then
       rm -rf "$venv"
       echo "volt: installing python3-venv" >&2
       sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+      $sudo apt-get update -qq >&2
       DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-venv >&2
       /usr/bin/python3 -m venv "$venv"
     fi

@@ -2,10 +2,13 @@
 // reference (a hand-written LibTorch loop, hand-derived counts, or a known answer).
 
 #include "common.hpp"
+#include "support/concept_policies.hpp"
 
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include <unistd.h>
 
 using Catch::Matchers::Contains;
 using vt::Regressor;
@@ -467,6 +470,76 @@ TEST_CASE("validate, test and predict run without autograd and return their resu
   CHECK(torch::allclose(torch::cat(preds), m->forward(x).detach()));
   CHECK_FALSE(preds[0].requires_grad());
   CHECK(m->is_training());  // mode restored
+}
+
+TEST_CASE("a strategy and a callback written from their concept files alone train as a hand-written loop does",
+          "[trainer]") {
+  auto [x, y] = vt::regression_data(96);
+  auto loader = make_loader(x, y, 16);  // 6 batches; windows of 2 micro-batches: 3 optimizer steps per epoch
+  Regressor a, ref, initial;
+  vt::copy_weights(*a, *ref);
+  vt::copy_weights(*a, *initial);
+  using T = volt::Trainer<vt::CountingStrategy, volt::Fp32, volt::CPU, vt::EpochLossLog>;
+  T trainer({.max_epochs = 3, .accumulate_grad_batches = 2}, vt::EpochLossLog{});
+  trainer.fit(a, loader);
+
+  // The reference: the same SGD by hand with the same accumulation, keeping each epoch's last step loss.
+  torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(ref->lr));
+  std::vector<double> last_losses;
+  for (int e = 0; e < 3; ++e) {
+    int64_t i = 0;
+    double last = 0.0;
+    for (auto b : loader) {
+      if (i % 2 == 0) opt.zero_grad();
+      auto loss = vt::mse(ref->forward(b.data), b.target);
+      (loss / 2.0).backward();
+      if (i % 2 == 1) opt.step();
+      last = loss.item<double>();
+      ++i;
+    }
+    last_losses.push_back(last);
+  }
+  CHECK(torch::allclose(vt::flat_params(*a), vt::flat_params(*ref), 1e-6, 1e-7));
+  CHECK(trainer.global_step() == 9);
+  const auto& log = trainer.callback<vt::EpochLossLog>().losses;
+  REQUIRE(log.size() == 3);
+  for (std::size_t e = 0; e < 3; ++e) CHECK(log[e] == Approx(last_losses[e]).epsilon(1e-6));
+
+  // Every member in strategies/concept.hpp's table was reached as it says: fit through launch(body, transfer),
+  // one set-up, the training loader processed once, a backward hook pair per micro-batch, synced on each step.
+  const auto& c = *trainer.strategy().counts;
+  CHECK(c.fit_launches == 1);
+  CHECK(c.launches == 0);
+  CHECK(c.setups == 1);
+  CHECK(c.modules == 1);
+  CHECK(c.loaders == 1);
+  CHECK(c.pre_backward == 18);
+  CHECK(c.post_backward == 18);
+  CHECK(c.synced_backward == 9);
+  CHECK(c.teardowns == 1);
+  trainer.validate(a, loader);
+  CHECK(c.launches == 1);
+
+  // Its state reaches checkpoints under its state_key, and a resume without a validation loader needs no
+  // volt::NoLoader: fit(module, loader, path) goes on as the uninterrupted fit (one more epoch on each side).
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_concept_policies_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "after3.ckpt").string();
+  trainer.save_checkpoint(path);
+  const auto saved = volt::checkpoint::saved_callback_state(path, "EpochLossLog[train_loss]");
+  REQUIRE(saved.has_value());
+  CHECK(saved->at("epoch2").toDouble() == log[2]);
+  Regressor resumed;
+  T again({.max_epochs = 4, .accumulate_grad_batches = 2}, vt::EpochLossLog{});
+  again.fit(resumed, loader, path);
+  Regressor whole;
+  vt::copy_weights(*initial, *whole);
+  T uninterrupted({.max_epochs = 4, .accumulate_grad_batches = 2}, vt::EpochLossLog{});
+  uninterrupted.fit(whole, loader);
+  CHECK(again.global_step() == 12);
+  CHECK(torch::equal(vt::flat_params(*resumed), vt::flat_params(*whole)));
+  CHECK(again.callback<vt::EpochLossLog>().losses == uninterrupted.callback<vt::EpochLossLog>().losses);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("EarlyStopping stops after patience checks without improvement", "[trainer][callbacks]") {

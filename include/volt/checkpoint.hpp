@@ -12,7 +12,7 @@
 /// | `lr_schedulers` | per scheduler, `{"step_count": n}` |
 /// | `precision` | the precision's state (Fp16Mixed: the loss scaler's `scale`, `_growth_tracker`, ...) |
 /// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size` |
-/// | `loaders` | `{"train": position}` (data/stateful.hpp) when the training loader keeps one |
+/// | `loaders` | `{"train": position}` (data/concept.hpp's LoaderState) when the training loader keeps one |
 /// | `metrics` | the training epoch's running metric sums, so epoch means stay whole across a resume |
 /// | `rng` | `cpu` (and `cuda`): every rank's generator state, in rank order |
 /// | `callbacks` | each stateful callback's state, by its `state_key` |
@@ -22,8 +22,11 @@
 /// (fsync), and the file is renamed over `path`; a process killed while writing leaves the previous file
 /// whole. Reads check everything before anything is loaded: a missing, empty, truncated, corrupt or foreign
 /// file is a `CheckpointError` that names the file and what is wrong.
+///
+/// This file is the format and its generic pieces (atomic write, checked read, weights, optimizer archives,
+/// generators). What a fit writes into it and reads back to resume, each entry's writer next to its reader, is
+/// volt/connectors/checkpoint_connector.hpp.
 
-#include "volt/data/stateful.hpp"
 #include "volt/version.hpp"
 
 #include <ATen/Context.h>
@@ -378,26 +381,6 @@ inline std::map<std::string, double> to_map(const Dict& d, const std::string& pa
     out.emplace(e.key().toStringRef(), e.value().isDouble() ? e.value().toDouble() : static_cast<double>(e.value().toInt()));
   }
   return out;
-}
-
-inline Dict from_loader_state(const data::LoaderState& s) {
-  Dict d = make_dict();
-  d.insert("epoch", s.epoch);
-  d.insert("consumed", s.consumed);
-  d.insert("dataset_size", s.dataset_size);
-  d.insert("batch_size", s.batch_size);
-  d.insert("seed", static_cast<int64_t>(s.seed));
-  d.insert("shuffle", s.shuffle);
-  d.insert("drop_last", s.drop_last);
-  d.insert("world_size", static_cast<int64_t>(s.world_size));
-  return d;
-}
-inline data::LoaderState to_loader_state(const Dict& d, const std::string& path) {
-  auto i = [&](const char* k) { return entry(d, k, path).toInt(); };
-  auto b = [&](const char* k) { return entry(d, k, path).toBool(); };
-  return data::LoaderState{i("epoch"), i("consumed"), i("dataset_size"), i("batch_size"),
-                           static_cast<uint64_t>(i("seed")), b("shuffle"), b("drop_last"),
-                           static_cast<int>(i("world_size"))};
 }
 
 /// The default generators of this process: CPU, then every CUDA device (when there are any).

@@ -139,22 +139,14 @@ struct Collectives {
   virtual void barrier() = 0;
 };
 
-/// Collectives of a strategy `S`; a strategy without all_gather/broadcast_ is a world of one for them.
+/// Collectives of a strategy `S` (every strategy has the four: strategies/concept.hpp).
 template <class S>
 class StrategyCollectives final : public Collectives {
  public:
   explicit StrategyCollectives(S* strategy) : s_(strategy) {}
   torch::Tensor all_reduce(const torch::Tensor& t, Reduce op) override { return s_->all_reduce(t, op); }
-  torch::Tensor all_gather(const torch::Tensor& t) override {
-    if constexpr (requires { s_->all_gather(t); }) {
-      return s_->all_gather(t);
-    } else {
-      return t.detach().unsqueeze(0).clone();
-    }
-  }
-  void broadcast_(const torch::Tensor& t, int root) override {
-    if constexpr (requires { s_->broadcast_(t, root); }) s_->broadcast_(t, root);
-  }
+  torch::Tensor all_gather(const torch::Tensor& t) override { return s_->all_gather(t); }
+  void broadcast_(const torch::Tensor& t, int root) override { s_->broadcast_(t, root); }
   void barrier() override { s_->barrier(); }
 
  private:

@@ -10,6 +10,17 @@
 /// | each slot holds its kind | the concepts `Strategy`, `Precision`, `Accelerator` | `Trainer<Fp32, SingleDevice, CPU>` |
 /// | a strategy's collective backend takes the accelerator's tensors | `backend_traits<B>::supports_cpu` / `supports_cuda` | `Trainer<DDP<Script, Nccl>, Fp32, CPU>` |
 /// | the backend was compiled in | `backend_traits<B>::available` (Nccl: VOLT_WITH_NCCL) | `Trainer<DDP<Spawn>, Fp32, GPU>` without `volt::nccl` |
+///
+/// **The three phases of validation.** Every setting is checked as early as it can be known, and said once:
+///  - **phase (a), compile time**: the Trainer's type. Each slot holds its kind and the rules above hold;
+///    a `static_assert` in `Trainer` says which and how to fix it (volt/trainer.hpp).
+///  - **phase (b), construction**: the run-time options and this machine. `Trainer`'s constructor checks
+///    every `TrainerOptions` field (`validate_options`, volt/options.hpp), the accelerator's availability and
+///    device count, and the strategy's `check_devices` (devices, num_nodes, an outside mpirun/srun job);
+///    it throws `ConfigError` and starts nothing.
+///  - **phase (c), the first run**: what needs processes or devices (the process group, device
+///    selection, the module's placement) is set up lazily when `fit`/`validate`/`test`/`predict` starts, and
+///    what depends on the loaders and the module (limits that need a loader's size, the optimizer) is checked then.
 
 #include "volt/accelerators/concept.hpp"
 #include "volt/comm/concept.hpp"
@@ -29,6 +40,8 @@ template <class P, class A>
 concept Bf16AutocastAvailable = !P::needs_bf16_autocast || A::has_bf16_autocast;
 
 namespace detail {
+/// The strategy's collective backend (`void` for none, as `StrategyDefaults`). The fallback only keeps a
+/// type that is no strategy at all from adding errors after the one that says so.
 template <class S>
 struct strategy_backend {
   using type = void;

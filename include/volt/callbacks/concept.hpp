@@ -33,6 +33,30 @@
 /// `on_train_epoch_end`, where callbacks that declare `static constexpr bool monitors_metrics = true`
 /// (EarlyStopping, checkpointing) run after the module so they see what its hook logged.
 ///
+/// **What a callback may use of the Trainer** (`trainer` in every hook; these are the members kept stable for
+/// callbacks, defined in volt/trainer.hpp):
+///
+/// | member | what it says or does |
+/// |---|---|
+/// | `options()` | the `TrainerOptions` in effect (fast_dev_run applied): `default_root_dir`, limits, ... |
+/// | `current_epoch()`, `global_step()`, `batch_idx()`, `stage()`, `sanity_checking()` | where the loops stand |
+/// | `max_epochs()`, `max_steps()`, `num_training_batches()`, `num_eval_batches()` | the run's extent (-1: until the loader ends) |
+/// | `fitting()`, `fast_dev_run()`, `has_validation()`, `is_global_zero()` | what kind of run this is, and whether this process is rank zero |
+/// | `callback_metrics()`, `progress_bar_metrics()`, `logged_metrics()`, `callback_metric_values()` | the latest logged values |
+/// | `record_metric(name, value, prog_bar, logger)` | a value of the callback's own (a learning rate), to callback_metrics and loggers |
+/// | `request_stop()`, `should_stop()` | ask the fit to stop (honoured once min_epochs/min_steps are met) |
+/// | `save_checkpoint(path, weights_only)` | write a checkpoint now; every rank must call it |
+/// | `optimizer()`, `lr_scheduler()` | the running fit's (null before one) |
+/// | `strategy()`, `precision()`, `callback<C>()`, `callbacks()` | the policies and the other callbacks |
+///
+/// **Finding checkpoints: `"last"` and `"best"`.** `fit(..., ckpt_path = "last")` (or `"best"`) asks every
+/// callback that has both `std::string find_last_checkpoint(const auto& trainer) const` and
+/// `std::string find_best_checkpoint(const auto& trainer) const`, in pack order; the first non-empty answer
+/// is the file to resume from. No such callback is a `ConfigError`; an empty `"last"` is a fresh start (as
+/// Lightning), an empty `"best"` a `CheckpointError`. A callback with `best_model_path()` also gives `fit`'s
+/// result its `best_model_path` (the first non-empty one). ModelCheckpoint implements both; it finds the best
+/// path in a new process through `checkpoint::saved_callback_state` (connectors/checkpoint_connector.hpp).
+///
 /// Writing your own:
 /// \code
 ///   struct PrintEpoch {

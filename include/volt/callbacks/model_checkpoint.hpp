@@ -2,6 +2,7 @@
 
 #include "volt/callbacks/concept.hpp"
 #include "volt/checkpoint.hpp"
+#include "volt/connectors/checkpoint_connector.hpp"
 #include "volt/context.hpp"
 
 #include <cmath>
@@ -63,6 +64,8 @@ class ModelCheckpoint {
   static constexpr bool monitors_metrics = true;
   static constexpr const char* kLastName = "last";
   static constexpr const char* kExtension = ".ckpt";
+  /// The key of the best checkpoint's path in its state.
+  static constexpr const char* kBestModelPath = "best_model_path";
 
   ModelCheckpoint() : ModelCheckpoint(Options{}) {}
   explicit ModelCheckpoint(Options options) : options_(std::move(options)) {
@@ -165,18 +168,16 @@ class ModelCheckpoint {
     if (!best_model_path_.empty()) return best_model_path_;
     const std::string last = find_last_checkpoint(trainer);
     if (last.empty()) return "";
-    const checkpoint::Dict d = checkpoint::read(last);
-    if (!d.contains("callbacks")) return "";
-    const auto states = d.at("callbacks").toGenericDict();
-    if (!states.contains(state_key())) return "";
-    return states.at(state_key()).toGenericDict().at("best_model_path").toStringRef();
+    const auto saved = checkpoint::saved_callback_state(last, state_key());
+    if (!saved || !saved->contains(kBestModelPath)) return "";
+    return saved->at(kBestModelPath).toStringRef();
   }
 
   checkpoint::Dict state_dict() const {
     checkpoint::Dict d = checkpoint::make_dict();
     d.insert("monitor", options_.monitor ? *options_.monitor : std::string());
     d.insert("best_model_score", best_score_);
-    d.insert("best_model_path", best_model_path_);
+    d.insert(kBestModelPath, best_model_path_);
     d.insert("kth_best_model_path", kth_path_);
     d.insert("kth_value", kth_value_);
     d.insert("last_model_path", last_model_path_);
@@ -197,7 +198,7 @@ class ModelCheckpoint {
       }
     }
     best_score_ = d.at("best_model_score").toDouble();
-    best_model_path_ = d.at("best_model_path").toStringRef();
+    best_model_path_ = d.at(kBestModelPath).toStringRef();
     kth_path_ = d.at("kth_best_model_path").toStringRef();
     kth_value_ = d.at("kth_value").toDouble();
     last_model_path_ = d.at("last_model_path").toStringRef();

@@ -31,6 +31,8 @@
 /// is refused with every difference named; iterating a `const` loader reads the same batches without
 /// recording a position.
 
+#include "volt/data/concept.hpp"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/types.h>
 
@@ -52,22 +54,6 @@ struct LoaderOptions {
   /// world size instead of padding it).
   bool drop_last = false;
   uint64_t seed = 0;
-};
-
-/// Where a loader stands, with what it must match to be loaded again.
-struct LoaderState {
-  int64_t epoch = 0;
-  /// Positions of the epoch's order consumed by the whole run; `dataset_size` once the epoch is done.
-  int64_t consumed = 0;
-  int64_t dataset_size = 0;
-  int64_t batch_size = 0;
-  uint64_t seed = 0;
-  bool shuffle = false;
-  bool drop_last = false;
-  /// The number of ranks of the run that saved it (for messages; any number may resume it).
-  int world_size = 1;
-
-  bool operator==(const LoaderState&) const = default;
 };
 
 template <class Derived>

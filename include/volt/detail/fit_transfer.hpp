@@ -27,6 +27,10 @@ struct FitResult {
 
 namespace detail {
 
+/// The run is not `fit`: nothing is brought back to a calling process (a launcher's `transfer` is null).
+struct NoTransfer {};
+
+/// Rank 0's module and result, packed in a Spawn worker and unpacked in the main process.
 template <class Impl>
 struct FitTransfer {
   Impl* module;

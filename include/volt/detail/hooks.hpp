@@ -1,77 +1,124 @@
 #pragma once
 /// \file
-/// Calls to optional hooks, found at compile time. For each hook name `h` this defines
-///   - `module_hook::h(module, ctx, args...)`: `module.h(args..., ctx)` or `module.h(args...)`, or nothing;
-///   - `callback_hook::h(callback, trainer, module, args...)`: `callback.h(trainer, module, args...)`, or nothing.
+/// Hooks: the one list of hook names (`VOLT_DETAIL_HOOKS`), what calling one means, and the fan-out the loops use.
+///
+/// For each name `h` in the list, `hooks::h` is a tag type with two static functions:
+///   - `hooks::h::module(module, ctx, args...)`: `module.h(args..., ctx)` or `module.h(args...)`, or nothing;
+///   - `hooks::h::callback(callback, trainer, module, args...)`: `callback.h(trainer, module, args...)`, or nothing.
 /// A member named `h` that fits neither form is a compile error naming the hook, so a misspelt signature is
 /// never silently skipped.
+///
+/// The loops call hooks through the fan-out only:
+///   - `call_hook<hooks::h>(callbacks, trainer, module, ctx, args...)`: every callback in pack order, then the
+///     module (Lightning's order); returns what the module's hook returns;
+///   - `call_callbacks<hooks::h, Watch>(callbacks, trainer, module, args...)`: callbacks only, all of them or
+///     only those that do (or do not) declare `monitors_metrics` (see callbacks/concept.hpp).
+/// Adding a hook: one entry in `VOLT_DETAIL_HOOKS`, one call site in a loop, one row in the hook tables of
+/// module.hpp and callbacks/concept.hpp.
 
+#include "volt/callbacks/concept.hpp"
 #include "volt/context.hpp"
 
+#include <tuple>
+#include <type_traits>
 #include <utility>
 
-// Internal only: generates the two callers of one hook, then is undefined at the end of this header.
-#define VOLT_DETAIL_HOOK(h)                                                                                          \
-  namespace volt::detail::module_hook {                                                                             \
-  template <class M, class... A>                                                                                     \
-  decltype(auto) h(M& m, Context& ctx, A&&... a) {                                                                  \
-    if constexpr (requires { m.h(std::forward<A>(a)..., ctx); }) {                                                   \
-      return m.h(std::forward<A>(a)..., ctx);                                                                        \
-    } else if constexpr (requires { m.h(std::forward<A>(a)...); }) {                                                 \
-      return m.h(std::forward<A>(a)...);                                                                             \
-    } else {                                                                                                         \
-      static_assert(!requires { &M::h; }, "volt: the module's " #h                                                   \
-                    " has a signature volt does not call; see the hook table in volt/module.hpp for its arguments " \
-                    "(a trailing volt::Context& is optional).");                                                     \
-    }                                                                                                                \
-  }                                                                                                                  \
-  }                                                                                                                  \
-  namespace volt::detail::callback_hook {                                                                           \
-  template <class C, class T, class M, class... A>                                                                   \
-  void h(C& c, T& trainer, M& module, A&&... a) {                                                                    \
-    if constexpr (requires { c.h(trainer, module, std::forward<A>(a)...); }) {                                       \
-      c.h(trainer, module, std::forward<A>(a)...);                                                                   \
-    } else {                                                                                                         \
-      static_assert(!requires { &C::h; }, "volt: a callback's " #h                                                   \
-                    " has a signature volt does not call; see the hook table in volt/callbacks/concept.hpp.");       \
-    }                                                                                                                \
-  }                                                                                                                  \
-  }
+// Every hook, in the order a fit meets them.
+#define VOLT_DETAIL_HOOKS(X)                                                                                         \
+  X(setup)                                                                                                           \
+  X(on_fit_start)                                                                                                    \
+  X(on_sanity_check_start)                                                                                           \
+  X(on_sanity_check_end)                                                                                             \
+  X(on_train_start)                                                                                                  \
+  X(on_train_epoch_start)                                                                                            \
+  X(on_train_batch_start)                                                                                            \
+  X(on_before_zero_grad)                                                                                             \
+  X(on_before_backward)                                                                                              \
+  X(on_after_backward)                                                                                               \
+  X(on_before_optimizer_step)                                                                                        \
+  X(on_train_batch_end)                                                                                              \
+  X(on_train_epoch_end)                                                                                              \
+  X(on_validation_start)                                                                                             \
+  X(on_validation_epoch_start)                                                                                       \
+  X(on_validation_batch_start)                                                                                       \
+  X(on_validation_batch_end)                                                                                         \
+  X(on_validation_epoch_end)                                                                                         \
+  X(on_validation_end)                                                                                               \
+  X(on_train_end)                                                                                                    \
+  X(on_fit_end)                                                                                                      \
+  X(on_test_start)                                                                                                   \
+  X(on_test_epoch_start)                                                                                             \
+  X(on_test_batch_start)                                                                                             \
+  X(on_test_batch_end)                                                                                               \
+  X(on_test_epoch_end)                                                                                               \
+  X(on_test_end)                                                                                                     \
+  X(on_predict_start)                                                                                                \
+  X(on_predict_epoch_start)                                                                                          \
+  X(on_predict_batch_start)                                                                                          \
+  X(on_predict_batch_end)                                                                                            \
+  X(on_predict_epoch_end)                                                                                            \
+  X(on_predict_end)                                                                                                  \
+  X(teardown)                                                                                                        \
+  X(on_exception)
 
-VOLT_DETAIL_HOOK(setup)
-VOLT_DETAIL_HOOK(teardown)
-VOLT_DETAIL_HOOK(on_fit_start)
-VOLT_DETAIL_HOOK(on_fit_end)
-VOLT_DETAIL_HOOK(on_sanity_check_start)
-VOLT_DETAIL_HOOK(on_sanity_check_end)
-VOLT_DETAIL_HOOK(on_train_start)
-VOLT_DETAIL_HOOK(on_train_end)
-VOLT_DETAIL_HOOK(on_validation_start)
-VOLT_DETAIL_HOOK(on_validation_end)
-VOLT_DETAIL_HOOK(on_test_start)
-VOLT_DETAIL_HOOK(on_test_end)
-VOLT_DETAIL_HOOK(on_predict_start)
-VOLT_DETAIL_HOOK(on_predict_end)
-VOLT_DETAIL_HOOK(on_train_epoch_start)
-VOLT_DETAIL_HOOK(on_train_epoch_end)
-VOLT_DETAIL_HOOK(on_validation_epoch_start)
-VOLT_DETAIL_HOOK(on_validation_epoch_end)
-VOLT_DETAIL_HOOK(on_test_epoch_start)
-VOLT_DETAIL_HOOK(on_test_epoch_end)
-VOLT_DETAIL_HOOK(on_predict_epoch_start)
-VOLT_DETAIL_HOOK(on_predict_epoch_end)
-VOLT_DETAIL_HOOK(on_train_batch_start)
-VOLT_DETAIL_HOOK(on_train_batch_end)
-VOLT_DETAIL_HOOK(on_validation_batch_start)
-VOLT_DETAIL_HOOK(on_validation_batch_end)
-VOLT_DETAIL_HOOK(on_test_batch_start)
-VOLT_DETAIL_HOOK(on_test_batch_end)
-VOLT_DETAIL_HOOK(on_predict_batch_start)
-VOLT_DETAIL_HOOK(on_predict_batch_end)
-VOLT_DETAIL_HOOK(on_before_zero_grad)
-VOLT_DETAIL_HOOK(on_before_backward)
-VOLT_DETAIL_HOOK(on_after_backward)
-VOLT_DETAIL_HOOK(on_before_optimizer_step)
-VOLT_DETAIL_HOOK(on_exception)
+// Internal only: the tag type of one hook; undefined at the end of this header.
+#define VOLT_DETAIL_HOOK_TAG(h)                                                                                      \
+  struct h {                                                                                                         \
+    static constexpr const char* name = #h;                                                                          \
+    template <class M, class... A>                                                                                   \
+    static decltype(auto) module(M& m, Context& ctx, A&&... a) {                                                     \
+      if constexpr (requires { m.h(std::forward<A>(a)..., ctx); }) {                                                 \
+        return m.h(std::forward<A>(a)..., ctx);                                                                      \
+      } else if constexpr (requires { m.h(std::forward<A>(a)...); }) {                                               \
+        return m.h(std::forward<A>(a)...);                                                                           \
+      } else {                                                                                                       \
+        static_assert(!requires { &M::h; }, "volt: the module's " #h                                                 \
+                      " has a signature volt does not call; see the hook table in volt/module.hpp for its "          \
+                      "arguments (a trailing volt::Context& is optional).");                                         \
+      }                                                                                                              \
+    }                                                                                                                \
+    template <class C, class T, class M, class... A>                                                                 \
+    static void callback(C& c, T& trainer, M& module, A&&... a) {                                                    \
+      if constexpr (requires { c.h(trainer, module, std::forward<A>(a)...); }) {                                     \
+        c.h(trainer, module, std::forward<A>(a)...);                                                                 \
+      } else {                                                                                                       \
+        static_assert(!requires { &C::h; }, "volt: a callback's " #h                                                 \
+                      " has a signature volt does not call; see the hook table in volt/callbacks/concept.hpp.");     \
+      }                                                                                                              \
+    }                                                                                                                \
+  };
 
-#undef VOLT_DETAIL_HOOK
+namespace volt::detail {
+
+namespace hooks {
+VOLT_DETAIL_HOOKS(VOLT_DETAIL_HOOK_TAG)
+}  // namespace hooks
+
+/// Which callbacks a `call_callbacks` reaches.
+enum class Watch { all, not_monitoring, monitoring };
+
+/// Runs hook `H` on the callbacks in pack order (those `W` selects).
+template <class H, Watch W = Watch::all, class... Cs, class T, class M, class... A>
+void call_callbacks(std::tuple<Cs...>& callbacks, T& trainer, M& module, A&&... args) {
+  std::apply(
+      [&](auto&... cb) {
+        auto one = [&](auto& c) {
+          constexpr bool monitors = monitors_metrics<std::remove_cvref_t<decltype(c)>>;
+          if constexpr (W == Watch::all || (W == Watch::monitoring) == monitors) H::callback(c, trainer, module, args...);
+        };
+        (one(cb), ...);
+        (void)one;  // unused when the pack is empty
+      },
+      callbacks);
+}
+
+/// Runs hook `H` on every callback, then on the module; returns the module hook's result.
+template <class H, class... Cs, class T, class M, class... A>
+decltype(auto) call_hook(std::tuple<Cs...>& callbacks, T& trainer, M& module, Context& ctx, A&&... args) {
+  call_callbacks<H>(callbacks, trainer, module, args...);
+  return H::module(module, ctx, std::forward<A>(args)...);
+}
+
+}  // namespace volt::detail
+
+#undef VOLT_DETAIL_HOOK_TAG

@@ -2,27 +2,24 @@
 /// \file
 /// The Launcher kind: how the processes of a distributed run come to exist. A distributed strategy holds
 /// its launcher as a template parameter (`DDP<Spawn>`), and the Trainer only calls the strategy's `launch`.
+/// This table is every member volt calls:
 ///
 /// | member | meaning |
 /// |---|---|
 /// | `static constexpr const char* name` | for messages |
-/// | `launch(const LaunchSpec&, detail::Processes&, body, transfer*) -> body's result` | runs `body` as a rank of the job (creating the job if needed) and fills `Processes`; `transfer` is null for runs other than `fit`, else it packs rank 0's result in a worker and unpacks it in the main process |
+/// | `static constexpr bool joins_external_jobs` | the launcher runs inside a job that mpirun/srun started (Script), so the strategy checks `devices x num_nodes` against it in phase (b); false: such a job is refused (Spawn) |
+/// | `launch(const LaunchSpec&, detail::Processes&, body, detail::NoTransfer*) -> body's result` | validate/test/predict: runs `body` as a rank of the job (creating the job if needed) and fills `Processes` |
+/// | `launch(const LaunchSpec&, detail::Processes&, body, T* transfer) -> body's result` | fit: the same, where `transfer` (detail/fit_transfer.hpp) packs rank 0's result in a worker and unpacks it in the calling process |
 ///
 /// Launchers: `Script` (every process runs the whole program; starts the other copies itself when no
 /// outside launcher did) and `Spawn` (only `fit` runs in fresh worker processes; results come back).
+/// The process-level pieces they are built from (MPI_Comm_spawn, roles, failure announcements) are in
+/// volt/comm/processes.hpp.
 
-#include "volt/cluster/environment.hpp"
-#include "volt/comm/runtime.hpp"
+#include "volt/comm/processes.hpp"
+#include "volt/detail/fit_transfer.hpp"
 
-#include <unistd.h>
-
-#include <cstdlib>
-#include <fstream>
-#include <iostream>
-#include <iterator>
-#include <string>
-#include <utility>
-#include <vector>
+#include <concepts>
 
 namespace volt {
 
@@ -34,93 +31,18 @@ struct LaunchSpec {
 };
 
 namespace detail {
-
-/// This process's place in the running job. `group` is null in a world of one that needs no MPI.
-struct Processes {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int node_rank = 0;
-  MpiGroup* group = nullptr;
-
-  static Processes of(MpiGroup& g) { return {g.rank(), g.size(), g.local_rank(), g.node_rank(), &g}; }
+/// A run body for the concept's probe.
+struct LauncherProbeBody {
+  FitResult operator()() const { return {}; }
 };
-
-/// The run is not `fit`: nothing is brought back to a main process.
-struct NoTransfer {};
-
-/// Set (through MPI_Info "env") in the processes volt's launchers start: "script" or "spawn".
-inline constexpr const char* kRoleVariable = "VOLT_LAUNCH_ROLE";
-
-inline std::string launch_role() {
-  const char* v = std::getenv(kRoleVariable);
-  return v == nullptr ? std::string() : std::string(v);
-}
-
-/// Runs `body` as this process's rank. An exception other than RankFailure is announced to the other
-/// members before it propagates, so they stop waiting and end with its message.
-template <class F>
-decltype(auto) run_as_rank(const Processes& procs, F&& body) {
-  try {
-    return std::forward<F>(body)();
-  } catch (const RankFailure&) {
-    throw;
-  } catch (const std::exception& e) {
-    if (procs.group != nullptr && procs.group->size() > 1) {
-      procs.group->announce_failure("volt: rank " + std::to_string(procs.rank) + " failed: " + e.what());
-    }
-    throw;
-  } catch (...) {
-    if (procs.group != nullptr && procs.group->size() > 1) {
-      procs.group->announce_failure("volt: rank " + std::to_string(procs.rank) + " failed with a non-standard exception.");
-    }
-    throw;
-  }
-}
-
-/// This program's path and arguments (argv[1..]), as the kernel knows them.
-inline std::pair<std::string, std::vector<std::string>> own_command_line() {
-  std::vector<char> exe(4096);
-  const ssize_t n = ::readlink("/proc/self/exe", exe.data(), exe.size() - 1);
-  if (n <= 0) throw std::runtime_error("volt: cannot read /proc/self/exe to start copies of this program.");
-  std::ifstream in("/proc/self/cmdline", std::ios::binary);
-  const std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::string> args;
-  std::size_t start = 0;
-  while (start < all.size()) {
-    const std::size_t end = all.find('\0', start);
-    args.emplace_back(all.substr(start, end - start));
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  if (!args.empty()) args.erase(args.begin());  // argv[0]
-  return {std::string(exe.data(), static_cast<std::size_t>(n)), args};
-}
-
-/// Before MPI starts in a process that will start others: let Open MPI place more ranks than cores
-/// (a run asked for them; the user may still override the variable).
-inline void allow_oversubscription() { ::setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", /*overwrite=*/0); }
-
-/// Starts `count` copies of this program with the same arguments (MPI_Comm_spawn, from this process
-/// alone) and returns the intercommunicator to them. The copies see `VOLT_LAUNCH_ROLE=role`.
-inline MPI_Comm spawn_copies(int count, const char* role) {
-  auto [exe, args] = own_command_line();
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  MPI_Info info;
-  MPI_Info_create(&info);
-  const std::string env = std::string(kRoleVariable) + "=" + role;
-  MPI_Info_set(info, "env", env.c_str());
-  MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
-  MPI_Comm inter = MPI_COMM_NULL;
-  std::vector<int> codes(static_cast<std::size_t>(count), MPI_SUCCESS);
-  const int rc = MPI_Comm_spawn(exe.c_str(), argv.data(), count, info, 0, MPI_COMM_SELF, &inter, codes.data());
-  MPI_Info_free(&info);
-  mpi_check(rc, ("MPI_Comm_spawn of " + std::to_string(count) + " copies of " + exe).c_str());
-  for (int c : codes) mpi_check(c, ("starting a copy of " + exe).c_str());
-  return inter;
-}
-
 }  // namespace detail
+
+template <class L>
+concept Launcher = std::default_initializable<L> &&
+    requires(L& l, const LaunchSpec& spec, detail::Processes& procs, detail::NoTransfer* none) {
+      { L::name } -> std::convertible_to<const char*>;
+      { L::joins_external_jobs } -> std::convertible_to<bool>;
+      l.launch(spec, procs, detail::LauncherProbeBody{}, none);
+    };
+
 }  // namespace volt

@@ -8,6 +8,7 @@
 ///    for `num_nodes > 1`, use mpirun or srun.
 /// The job is made once per process and serves every later run (fit, validate, test, predict).
 
+#include "volt/cluster/environment.hpp"
 #include "volt/launchers/concept.hpp"
 
 #include <memory>

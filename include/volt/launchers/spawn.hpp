@@ -14,6 +14,7 @@
 ///  - `validate`, `test` and `predict` run in the calling process as a world of one.
 ///  - A worker that fails ends the others; `fit` throws `volt::RankFailure` with its message in the main process.
 
+#include "volt/cluster/environment.hpp"
 #include "volt/launchers/concept.hpp"
 
 #include <chrono>

@@ -1,50 +1,73 @@
 #pragma once
 /// \file
 /// The Strategy kind: how many processes and devices a run uses and what that means for the module,
-/// the data and the gradients. The Trainer owns one strategy object and calls the same hooks on every
-/// strategy; a strategy with nothing to do for a hook makes it an identity or a no-op.
+/// the data and the gradients. The Trainer owns one strategy object and calls the same members on every
+/// strategy, never asking which one it holds; a strategy with nothing to do for a member makes it an identity
+/// or a no-op. This table is every member volt calls:
 ///
 /// | member | meaning |
 /// |---|---|
 /// | `static constexpr bool is_distributed` | more than one process may take part |
 /// | `static constexpr const char* name` | for messages |
+/// | `static constexpr bool replicates_module` | every rank holds the same parameters, so rank zero's one-file checkpoint holds the whole model (ManualParallel: false) |
+/// | `using backend_type` | the collective backend (`Mpi`, `Nccl`, `AutoBackend`), or `void` for none; rules.hpp checks it against the accelerator |
+/// | `template <class A> using with_accelerator` (optional) | the strategy the Trainer runs on accelerator `A` (DDP resolves `AutoBackend` there); absent: the strategy itself |
 /// | `check_devices(const TrainerOptions&, int available, const char* accelerator)` | phase (b): throw if `devices`/`num_nodes` cannot work |
-/// | `launch(fn) -> fn's result` | runs the body of `fit`/`validate`/... in the process(es) that do the work |
+/// | `launch(body) -> body's result` | runs the body of `validate`/`test`/`predict` in the process(es) that do the work |
+/// | `launch(body, transfer&) -> body's result` | the same for `fit`; `transfer` packs rank 0's result where it is computed and unpacks it in the calling process (Spawn), see detail/fit_transfer.hpp |
 /// | `setup_environment(torch::Device)` | process group, device selection (lazy: phase (c)) |
 /// | `setup_module(torch::nn::Module&)` | places the module (and broadcasts it, in data parallelism) |
 /// | `process_dataloader(loader, Stage) -> loader` | shards, wraps or returns the loader as it is |
 /// | `global_rank()`, `local_rank()`, `world_size()`, `is_global_zero()` | this process's place |
 /// | `root_device() -> torch::Device` | where batches go |
 /// | `all_reduce(const torch::Tensor&, Reduce) -> torch::Tensor` | a reduced copy across ranks |
+/// | `all_gather(const torch::Tensor&) -> torch::Tensor` | every rank's tensor stacked along a new first dimension |
+/// | `broadcast_(const torch::Tensor&, int root)` | rank `root`'s tensor copied in place on every rank |
 /// | `reduce_boolean_decision(bool, bool all) -> bool` | all ranks agree (all: every rank true; else any) |
 /// | `barrier()` | every rank waits for the others |
+/// | `pre_backward(bool sync)`, `post_backward()` | around each backward; `sync` is true on the micro-batch that steps |
+/// | `teardown()` | after a run, also one that failed |
 ///
-/// Writing your own: a class with these members (copy `SingleDevice` and change what differs).
+/// Writing your own: derive from `StrategyDefaults` (a world of one with no gradient work: its collectives
+/// are identities, the backward hooks and teardown no-ops, no backend) and write the rest; copy `SingleDevice`
+/// for a start. The phases (a), (b), (c) are defined in volt/rules.hpp.
 
 #include "volt/context.hpp"
+#include "volt/detail/fit_transfer.hpp"
 #include "volt/options.hpp"
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
 #include <concepts>
+#include <string>
 #include <vector>
 
 namespace volt {
 
 namespace detail {
+/// A run body for the concept's probes.
 struct ProbeBody {
-  void operator()() const {}
+  FitResult operator()() const { return {}; }
+};
+/// A transfer for the concept's probes (FitTransfer's shape).
+struct ProbeTransfer {
+  std::string pack(const FitResult&) const { return {}; }
+  FitResult unpack(const std::string&) const { return {}; }
 };
 }  // namespace detail
 
 template <class S>
 concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, torch::nn::Module& m,
-                            const torch::Tensor& t, std::vector<torch::Tensor>& loader) {
+                            const torch::Tensor& t, std::vector<torch::Tensor>& loader,
+                            detail::ProbeTransfer& transfer) {
   { S::is_distributed } -> std::convertible_to<bool>;
   { S::name } -> std::convertible_to<const char*>;
+  { S::replicates_module } -> std::convertible_to<bool>;
+  typename S::backend_type;
   s.check_devices(options, 1, "CPU");
   s.launch(detail::ProbeBody{});
+  s.launch(detail::ProbeBody{}, transfer);
   s.setup_environment(torch::Device(torch::kCPU));
   s.setup_module(m);
   s.process_dataloader(loader, Stage::train);
@@ -54,8 +77,28 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
   { cs.is_global_zero() } -> std::convertible_to<bool>;
   { cs.root_device() } -> std::convertible_to<torch::Device>;
   { s.all_reduce(t, Reduce::sum) } -> std::convertible_to<torch::Tensor>;
+  { s.all_gather(t) } -> std::convertible_to<torch::Tensor>;
+  s.broadcast_(t, 0);
   { s.reduce_boolean_decision(true, true) } -> std::convertible_to<bool>;
   s.barrier();
+  s.pre_backward(true);
+  s.post_backward();
+  s.teardown();
+};
+
+/// The members a strategy without processes or gradient work shares: one rank's collectives, no backend,
+/// no-op backward hooks and teardown. A strategy that derives from it redefines what differs.
+struct StrategyDefaults {
+  using backend_type = void;
+  static constexpr bool replicates_module = true;
+
+  /// A world of one: this rank's tensor, stacked.
+  torch::Tensor all_gather(const torch::Tensor& t) { return t.detach().unsqueeze(0).clone(); }
+  /// A world of one: nothing to copy.
+  void broadcast_(const torch::Tensor& /*t*/, int /*root*/ = 0) {}
+  void pre_backward(bool /*sync*/) {}
+  void post_backward() {}
+  void teardown() {}
 };
 
 }  // namespace volt

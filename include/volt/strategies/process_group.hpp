@@ -4,10 +4,12 @@
 /// backend, and the strategy hooks built on them (ranks, devices, all_reduce, decisions, barrier).
 /// `DDP` and `ManualParallel` derive from it and add what they do to modules, loaders and gradients.
 
+#include "volt/cluster/environment.hpp"
 #include "volt/comm/concept.hpp"
 #include "volt/comm/mpi.hpp"
 #include "volt/comm/nccl.hpp"
 #include "volt/launchers/concept.hpp"
+#include "volt/strategies/concept.hpp"
 #include "volt/options.hpp"
 
 #include <torch/types.h>
@@ -19,16 +21,10 @@
 
 namespace volt {
 
-template <class L>
-concept Launcher = requires {
-  { L::name } -> std::convertible_to<const char*>;
-  { L::joins_external_jobs } -> std::convertible_to<bool>;
-};
-
 namespace detail {
 
 template <class L, class B>
-class ProcessGroupStrategy {
+class ProcessGroupStrategy : public StrategyDefaults {
   static_assert(Launcher<L>, "volt: the first argument of DDP<...>/ManualParallel<...> must be a launcher: Script "
                              "(every process runs the program) or Spawn (fit runs in fresh workers).");
 

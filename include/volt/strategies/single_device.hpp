@@ -1,4 +1,6 @@
 #pragma once
+/// \file
+/// `volt::SingleDevice`: the default strategy.
 
 #include "volt/options.hpp"
 #include "volt/strategies/concept.hpp"
@@ -13,7 +15,7 @@ namespace volt {
 
 /// One process, one device: the module moves to the device, loaders and gradients are used as they are,
 /// and collectives are identities.
-class SingleDevice {
+class SingleDevice : public StrategyDefaults {
  public:
   static constexpr bool is_distributed = false;
   static constexpr const char* name = "SingleDevice";
@@ -32,6 +34,11 @@ class SingleDevice {
   /// Runs the body right here.
   template <class F>
   decltype(auto) launch(F&& body) {
+    return std::forward<F>(body)();
+  }
+  /// fit: right here too, so nothing needs to travel.
+  template <class F, class T>
+  decltype(auto) launch(F&& body, T& /*transfer*/) {
     return std::forward<F>(body)();
   }
 

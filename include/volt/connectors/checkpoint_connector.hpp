@@ -1,0 +1,402 @@
+#pragma once
+/// \file
+/// What a fit writes into a checkpoint and reads back to resume, as Lightning's checkpoint connector: every
+/// entry's key is a named constant here, and each entry's writer sits next to its reader. It never sees the
+/// Trainer's type. The file format itself (atomic writes, checked reads, the table of entries) is
+/// volt/checkpoint.hpp.
+///
+/// Resuming is two steps: `read_for_resume` reads the file and checks every entry against this fit (module,
+/// optimizer and scheduler count, training loader, gradients) and returns a `ResumeState`; the Trainer then
+/// loads it (what can still refuse first, with backups), and its fit loop starts from the `ResumePoint` inside.
+
+#include "volt/checkpoint.hpp"
+#include "volt/context.hpp"
+#include "volt/data/concept.hpp"
+#include "volt/loops/progress.hpp"
+
+#include <c10/util/Type.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <typeinfo>
+#include <vector>
+
+namespace volt::checkpoint {
+
+/// The entries of a full checkpoint (volt/checkpoint.hpp lists what each holds).
+namespace keys {
+inline constexpr const char* state_dict = "state_dict";
+inline constexpr const char* optimizer_states = "optimizer_states";
+inline constexpr const char* lr_schedulers = "lr_schedulers";
+inline constexpr const char* precision = "precision";
+inline constexpr const char* loops = "loops";
+inline constexpr const char* loaders = "loaders";
+inline constexpr const char* metrics = "metrics";
+inline constexpr const char* rng = "rng";
+inline constexpr const char* callbacks = "callbacks";
+inline constexpr const char* accumulated_grads = "accumulated_grads";
+}  // namespace keys
+
+// ---- the training loader's position ------------------------------------------------------------------------
+
+namespace loader_keys {
+inline constexpr const char* train = "train";
+inline constexpr const char* epoch = "epoch";
+inline constexpr const char* consumed = "consumed";
+inline constexpr const char* dataset_size = "dataset_size";
+inline constexpr const char* batch_size = "batch_size";
+inline constexpr const char* seed = "seed";
+inline constexpr const char* shuffle = "shuffle";
+inline constexpr const char* drop_last = "drop_last";
+inline constexpr const char* world_size = "world_size";
+}  // namespace loader_keys
+
+inline Dict loader_state_to_dict(const data::LoaderState& s) {
+  Dict d = make_dict();
+  d.insert(loader_keys::epoch, s.epoch);
+  d.insert(loader_keys::consumed, s.consumed);
+  d.insert(loader_keys::dataset_size, s.dataset_size);
+  d.insert(loader_keys::batch_size, s.batch_size);
+  d.insert(loader_keys::seed, static_cast<int64_t>(s.seed));
+  d.insert(loader_keys::shuffle, s.shuffle);
+  d.insert(loader_keys::drop_last, s.drop_last);
+  d.insert(loader_keys::world_size, static_cast<int64_t>(s.world_size));
+  return d;
+}
+inline data::LoaderState loader_state_from_dict(const Dict& d, const std::string& path) {
+  auto i = [&](const char* k) { return entry(d, k, path).toInt(); };
+  auto b = [&](const char* k) { return entry(d, k, path).toBool(); };
+  return data::LoaderState{i(loader_keys::epoch), i(loader_keys::consumed), i(loader_keys::dataset_size),
+                           i(loader_keys::batch_size), static_cast<uint64_t>(i(loader_keys::seed)),
+                           b(loader_keys::shuffle), b(loader_keys::drop_last),
+                           static_cast<int>(i(loader_keys::world_size))};
+}
+
+// ---- the training epoch's metric sums ----------------------------------------------------------------------
+
+namespace metric_keys {
+inline constexpr const char* name = "name";
+inline constexpr const char* on_step = "on_step";
+inline constexpr const char* on_epoch = "on_epoch";
+inline constexpr const char* prog_bar = "prog_bar";
+inline constexpr const char* logger = "logger";
+inline constexpr const char* sync_dist = "sync_dist";
+inline constexpr const char* reduce = "reduce";
+inline constexpr const char* accumulated = "accumulated";
+inline constexpr const char* weight = "weight";
+}  // namespace metric_keys
+
+inline c10::impl::GenericList metrics_to_state(volt::detail::MetricStore& store) {
+  c10::impl::GenericList out(c10::AnyType::get());
+  for (const auto& e : store.entries()) {
+    Dict d = make_dict();
+    d.insert(metric_keys::name, e.name);
+    d.insert(metric_keys::on_step, e.on_step);
+    d.insert(metric_keys::on_epoch, e.on_epoch);
+    d.insert(metric_keys::prog_bar, e.prog_bar);
+    d.insert(metric_keys::logger, e.logger);
+    d.insert(metric_keys::sync_dist, e.sync_dist);
+    d.insert(metric_keys::reduce, static_cast<int64_t>(e.reduce));
+    d.insert(metric_keys::accumulated, e.accumulated.defined() ? c10::IValue(e.accumulated.cpu()) : c10::IValue());
+    d.insert(metric_keys::weight, e.weight);
+    out.push_back(d);
+  }
+  return out;
+}
+inline std::vector<volt::detail::MetricEntry> metrics_from_state(const c10::IValue& v, const std::string& path) {
+  std::vector<volt::detail::MetricEntry> out;
+  for (const auto& item : v.toListRef()) {
+    const auto d = item.toGenericDict();
+    auto b = [&](const char* k) { return entry(d, k, path).toBool(); };
+    volt::detail::MetricEntry e;
+    e.name = entry(d, metric_keys::name, path).toStringRef();
+    e.on_step = b(metric_keys::on_step);
+    e.on_epoch = b(metric_keys::on_epoch);
+    e.prog_bar = b(metric_keys::prog_bar);
+    e.logger = b(metric_keys::logger);
+    e.sync_dist = b(metric_keys::sync_dist);
+    e.reduce = static_cast<Reduce>(entry(d, metric_keys::reduce, path).toInt());
+    const c10::IValue acc = entry(d, metric_keys::accumulated, path);
+    if (acc.isTensor()) e.accumulated = acc.toTensor();
+    e.weight = entry(d, metric_keys::weight, path).toDouble();
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+// ---- learning-rate schedulers --------------------------------------------------------------------------------
+
+inline constexpr const char* kSchedulerStepCount = "step_count";
+
+namespace detail {
+/// LibTorch's schedulers keep their step count protected and have no save/load; a checkpoint needs it.
+struct SchedulerAccess : torch::optim::LRScheduler {
+  static unsigned& step_count(torch::optim::LRScheduler& s) { return s.*(&SchedulerAccess::step_count_); }
+};
+}  // namespace detail
+
+inline c10::impl::GenericList schedulers_to_state(torch::optim::LRScheduler* scheduler) {
+  c10::impl::GenericList out(c10::AnyType::get());
+  if (scheduler != nullptr) {
+    Dict d = make_dict();
+    d.insert(kSchedulerStepCount, static_cast<int64_t>(detail::SchedulerAccess::step_count(*scheduler)));
+    out.push_back(d);
+  }
+  return out;
+}
+inline void load_scheduler_step_count(torch::optim::LRScheduler& scheduler, int64_t step_count) {
+  detail::SchedulerAccess::step_count(scheduler) = static_cast<unsigned>(step_count);
+}
+
+// ---- random generators, every rank's ---------------------------------------------------------------------
+
+inline constexpr const char* kRngCpu = "cpu";
+inline constexpr const char* kRngCuda = "cuda";
+
+/// `rng`: each generator's states of every rank, stacked in rank order (CPU first, then each CUDA device).
+inline Dict rng_to_state(const std::vector<at::Tensor>& gathered) {
+  Dict r = make_dict();
+  r.insert(kRngCpu, gathered.at(0));
+  c10::List<at::Tensor> cuda;
+  for (std::size_t i = 1; i < gathered.size(); ++i) cuda.push_back(gathered[i]);
+  r.insert(kRngCuda, cuda);
+  return r;
+}
+
+/// Row `rank` of a tensor stacked in rank order (row 0 when the file has fewer ranks).
+inline at::Tensor rank_row(const at::Tensor& all, int rank) {
+  return all.select(0, rank < all.size(0) ? rank : 0).clone();
+}
+
+/// This rank's generator states, in `rng_states()` order.
+inline std::vector<at::Tensor> rng_from_state(const Dict& r, const std::string& path, int rank) {
+  std::vector<at::Tensor> out{rank_row(entry(r, kRngCpu, path).toTensor(), rank)};
+  for (const auto& t : entry(r, kRngCuda, path).toListRef()) out.push_back(rank_row(t.toTensor(), rank));
+  return out;
+}
+
+// ---- gradients accumulated mid-window, every rank's -------------------------------------------------------
+
+inline constexpr const char* kGradDefined = "defined";
+inline constexpr const char* kGrad = "grad";
+
+/// One parameter's entry: every rank's gradient stacked (`gathered`), with which ranks have one
+/// (`defined`, uint8 per rank); `None` when no rank has one.
+inline c10::IValue grad_to_state(const at::Tensor& defined, const std::function<at::Tensor()>& gathered) {
+  if (!defined.any().item<bool>()) return c10::IValue();
+  Dict g = make_dict();
+  g.insert(kGradDefined, defined);
+  g.insert(kGrad, gathered());
+  return g;
+}
+/// This rank's gradient in such an entry, if it had one.
+inline std::optional<at::Tensor> grad_from_state(const c10::IValue& v, int rank) {
+  if (!v.isGenericDict()) return std::nullopt;
+  const auto g = v.toGenericDict();
+  if (rank_row(g.at(kGradDefined).toTensor(), rank).item<uint8_t>() == 0) return std::nullopt;
+  return rank_row(g.at(kGrad).toTensor(), rank);
+}
+
+// ---- callbacks ----------------------------------------------------------------------------------------------
+
+/// A callback with state in checkpoints (callbacks/concept.hpp).
+template <class C>
+concept StatefulCallback = requires(const C& c) { c.state_dict(); };
+
+/// The key of a callback's state: its `state_key()`, else its type's name.
+template <class C>
+std::string callback_key(const C& cb) {
+  if constexpr (requires { { cb.state_key() } -> std::convertible_to<std::string>; }) {
+    return cb.state_key();
+  } else {
+    return c10::demangle(typeid(C).name());
+  }
+}
+
+template <class C>
+c10::IValue callback_state(const C& cb) {
+  auto st = cb.state_dict();
+  if constexpr (std::is_same_v<decltype(st), std::map<std::string, double>>) {
+    return from_map(st);
+  } else {
+    return c10::IValue(st);
+  }
+}
+template <class C>
+void load_callback_state(C& cb, const c10::IValue& v, const std::string& path) {
+  if constexpr (requires(const std::map<std::string, double>& m) { cb.load_state_dict(m); }) {
+    cb.load_state_dict(to_map(v.toGenericDict(), path));
+  } else {
+    cb.load_state_dict(v.toGenericDict());
+  }
+}
+
+/// `callbacks`: each stateful callback's state under its key; a second callback with the same key gets `#2`, ...
+template <class... Cs>
+Dict callbacks_to_state(const std::tuple<Cs...>& callbacks) {
+  Dict cbs = make_dict();
+  std::apply(
+      [&](const auto&... cb) {
+        auto one = [&](const auto& c) {
+          if constexpr (StatefulCallback<std::remove_cvref_t<decltype(c)>>) {
+            std::string key = callback_key(c);
+            for (int n = 2; cbs.contains(key); ++n) key = callback_key(c) + "#" + std::to_string(n);
+            cbs.insert(key, callback_state(c));
+          }
+        };
+        (one(cb), ...);
+        (void)one;
+      },
+      callbacks);
+  return cbs;
+}
+/// Gives each stateful callback the state saved under its key (none saved: left as it is). For each one loaded,
+/// `undo` receives a function that puts its previous state back.
+template <class... Cs>
+void load_callbacks_state(std::tuple<Cs...>& callbacks, const Dict& states, const std::string& path,
+                          std::vector<std::function<void()>>& undo) {
+  std::map<std::string, int> seen;
+  std::apply(
+      [&](auto&... cb) {
+        auto one = [&](auto& c) {
+          if constexpr (StatefulCallback<std::remove_cvref_t<decltype(c)>>) {
+            std::string key = callback_key(c);
+            if (const int n = ++seen[key]; n > 1) key += "#" + std::to_string(n);
+            if (!states.contains(key)) return;
+            auto backup = callback_state(c);
+            load_callback_state(c, states.at(key), path);
+            undo.push_back([&c, backup, path] { load_callback_state(c, backup, path); });
+          }
+        };
+        (one(cb), ...);
+        (void)one;
+      },
+      callbacks);
+}
+
+/// The state a checkpoint file holds for the callback with key `key`, if any (ModelCheckpoint finds its
+/// best checkpoint in its newest file this way).
+inline std::optional<Dict> saved_callback_state(const std::string& path, const std::string& key) {
+  const Dict d = read(path);
+  if (!d.contains(keys::callbacks)) return std::nullopt;
+  const auto states = d.at(keys::callbacks).toGenericDict();
+  if (!states.contains(key)) return std::nullopt;
+  return states.at(key).toGenericDict();
+}
+
+// ---- a whole fit --------------------------------------------------------------------------------------------
+
+/// What a full checkpoint holds besides the weights and the accumulated gradients: `write_fit_state` writes it.
+struct FitState {
+  const torch::optim::Optimizer* optimizer = nullptr;
+  torch::optim::LRScheduler* scheduler = nullptr;
+  std::map<std::string, double> precision;
+  Dict loops = make_dict();
+  std::optional<data::LoaderState> train_loader;
+  volt::detail::MetricStore* metrics = nullptr;
+  /// Every generator's states of every rank (see `rng_to_state`).
+  std::vector<at::Tensor> rng;
+  Dict callbacks = make_dict();
+};
+
+inline void write_fit_state(Dict& d, const FitState& s) {
+  c10::List<at::Tensor> optimizers;
+  if (s.optimizer != nullptr) optimizers.push_back(optimizer_state(*s.optimizer));
+  d.insert(keys::optimizer_states, optimizers);
+  d.insert(keys::lr_schedulers, schedulers_to_state(s.scheduler));
+  d.insert(keys::precision, from_map(s.precision));
+  d.insert(keys::loops, s.loops);
+  if (s.train_loader) {
+    Dict loaders = make_dict();
+    loaders.insert(loader_keys::train, loader_state_to_dict(*s.train_loader));
+    d.insert(keys::loaders, loaders);
+  }
+  d.insert(keys::metrics, metrics_to_state(*s.metrics));
+  d.insert(keys::rng, rng_to_state(s.rng));
+  d.insert(keys::callbacks, s.callbacks);
+}
+
+/// A checkpoint read for resuming, every entry checked against the fit that resumes.
+struct ResumeState {
+  std::string path;
+  /// The whole file (the module's on_load_checkpoint sees it).
+  Dict file = make_dict();
+  Dict weights = make_dict();
+  /// Where the fit loop goes on (with this rank's generator states).
+  volt::detail::ResumePoint point;
+  /// The training loader's saved position, when the file and the loader both have one (checked to fit).
+  std::optional<data::LoaderState> train_loader;
+  at::Tensor optimizer;
+  std::optional<int64_t> scheduler_step_count;
+  std::map<std::string, double> precision;
+  std::vector<volt::detail::MetricEntry> metrics;
+  Dict callbacks = make_dict();
+  /// This rank's gradients accumulated so far in the saved window, one per parameter (empty: none saved).
+  std::vector<std::optional<at::Tensor>> grads;
+};
+
+/// Reads `path` and checks everything in it against this fit: the module's names and shapes, one optimizer,
+/// the scheduler count, the training loader's position (for a loader that keeps one), the gradients'
+/// count. Throws `CheckpointError` naming the file and the fault; changes nothing.
+template <class TrainLoader>
+ResumeState read_for_resume(const std::string& path, const torch::nn::Module& module, const TrainLoader& train_loader,
+                            std::size_t num_params, bool has_scheduler, int rank) {
+  ResumeState r;
+  r.path = path;
+  r.file = read(path);
+  const Dict& d = r.file;
+  r.weights = entry(d, keys::state_dict, path).toGenericDict();
+  check_module_state(module, r.weights, path);
+  if (!d.contains(keys::loops)) {
+    throw CheckpointError("volt: " + path + " holds weights only (saved with weights_only), which cannot resume a "
+                          "fit. Load them with volt::load_weights(module, path), or resume from a full checkpoint.");
+  }
+  r.point = volt::detail::ResumePoint::from_state_dict(d.at(keys::loops).toGenericDict(), path);
+  if constexpr (data::PositionedLoader<TrainLoader>) {
+    if (d.contains(keys::loaders) && d.at(keys::loaders).toGenericDict().contains(loader_keys::train)) {
+      r.train_loader = loader_state_from_dict(d.at(keys::loaders).toGenericDict().at(loader_keys::train).toGenericDict(), path);
+      try {
+        train_loader.check_state(*r.train_loader);
+      } catch (const std::invalid_argument& e) {
+        throw CheckpointError("volt: the training loader cannot resume from " + path + ": " + std::string(e.what()).substr(6));
+      }
+    }
+  }
+  const auto optimizers = entry(d, keys::optimizer_states, path).toListRef();
+  if (optimizers.size() != 1) {
+    throw CheckpointError("volt: " + path + " holds " + std::to_string(optimizers.size()) +
+                          " optimizer states; this fit has 1 optimizer.");
+  }
+  r.optimizer = optimizers[0].toTensor();
+  const auto schedulers = entry(d, keys::lr_schedulers, path).toListRef();
+  if (schedulers.size() != (has_scheduler ? 1u : 0u)) {
+    throw CheckpointError("volt: " + path + " holds " + std::to_string(schedulers.size()) +
+                          " learning-rate scheduler states; this fit has " + (has_scheduler ? "1" : "none") +
+                          ". Resume with the configure_optimizers that wrote it.");
+  }
+  if (has_scheduler) r.scheduler_step_count = entry(schedulers[0].toGenericDict(), kSchedulerStepCount, path).toInt();
+  r.metrics = metrics_from_state(entry(d, keys::metrics, path), path);
+  r.point.rng = rng_from_state(entry(d, keys::rng, path).toGenericDict(), path, rank);
+  r.point.loader_positioned = r.train_loader.has_value();
+  r.precision = to_map(entry(d, keys::precision, path).toGenericDict(), path);
+  r.callbacks = entry(d, keys::callbacks, path).toGenericDict();
+  const auto grads = entry(d, keys::accumulated_grads, path).toListRef();
+  if (!grads.empty() && grads.size() != num_params) {
+    throw CheckpointError("volt: " + path + " holds accumulated gradients of " + std::to_string(grads.size()) +
+                          " parameters; the module has " + std::to_string(num_params) + ".");
+  }
+  for (const auto& g : grads) r.grads.push_back(grad_from_state(g, rank));
+  return r;
+}
+
+}  // namespace volt::checkpoint

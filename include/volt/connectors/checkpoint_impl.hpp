@@ -1,0 +1,165 @@
+#pragma once
+/// \file
+/// Part of volt/trainer.hpp, included at its end: the Trainer's side of checkpoints — gathering every rank's
+/// share of a save, resolving `"last"`/`"best"` through the callbacks, and loading a checked `ResumeState`
+/// (connectors/checkpoint_connector.hpp) with backups. Not a header of its own: include volt/trainer.hpp.
+
+#include <exception>
+#include <functional>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace volt {
+
+/// See the declaration. Every rank gathers its share (collectives), rank zero writes, all wait.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weights_only) {
+  if (module_ == nullptr) {
+    throw std::logic_error("volt: save_checkpoint(\"" + path + "\") was called, but no fit has run in this process, so "
+                           "there is nothing to save yet. (With DDP<Spawn>, fit runs in worker processes: save from "
+                           "inside fit, with ModelCheckpoint or a callback.)");
+  }
+  if (path.empty()) throw std::invalid_argument("volt: save_checkpoint needs a file path; got an empty string.");
+  if (!strategy_type::replicates_module && strategy_.world_size() > 1) {
+    throw CheckpointError(std::string("volt: ") + strategy_type::name +
+                          " lets each rank hold different parameters, and a checkpoint is one file written by "
+                          "rank zero; save each rank's weights yourself (checkpoint::module_state) instead of " +
+                          path + ".");
+  }
+  // Every rank's share, gathered on every rank (collectives): generator states and mid-window gradients.
+  std::vector<at::Tensor> rng;
+  c10::impl::GenericList grads(c10::AnyType::get());
+  if (!weights_only) {
+    for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
+    if (progress_.in_train_batch && progress_.mid_window) {  // gradients accumulated so far in this window
+      for (const auto& p : params_) {
+        const at::Tensor defined = gather_ranks(torch::tensor({p.grad().defined() ? 1 : 0}, torch::kUInt8)).flatten();
+        grads.push_back(checkpoint::grad_to_state(defined, [&] {
+          return gather_ranks(p.grad().defined() ? p.grad().detach() : torch::zeros_like(p));
+        }));
+      }
+    }
+  }
+  if (strategy_.is_global_zero()) {
+    checkpoint::Dict d = checkpoint::make_dict();
+    d.insert(checkpoint::keys::state_dict, checkpoint::module_state(*module_));
+    if (!weights_only) {
+      checkpoint::FitState fit;
+      fit.optimizer = optim_.optimizer.get();
+      fit.scheduler = optim_.scheduler.get();
+      fit.precision = precision_.state_dict();
+      fit.loops = progress_.state_dict(state_.current_epoch, state_.global_step,
+                                       should_check_val(progress_.train_batch_idx, progress_.train_is_last),
+                                       strategy_.world_size());
+      if (train_loader_state_) {
+        fit.train_loader = train_loader_state_();
+      } else if (!fitting_ && final_loader_state_) {
+        fit.train_loader = *final_loader_state_;
+      }
+      fit.metrics = &train_store_;
+      fit.rng = std::move(rng);
+      fit.callbacks = checkpoint::callbacks_to_state(callbacks_);
+      checkpoint::write_fit_state(d, fit);
+      if (module_save_hook_) module_save_hook_(d);
+      d.insert(checkpoint::keys::accumulated_grads, grads);
+    }
+    checkpoint::save(path, std::move(d));
+  }
+  strategy_.barrier();
+}
+
+/// Every rank's copy of `t` stacked in rank order ([world_size, ...]), on the CPU.
+template <class S, class P, class A, class... Cs>
+at::Tensor Trainer<S, P, A, Cs...>::gather_ranks(const at::Tensor& t) {
+  if (strategy_.world_size() > 1) return strategy_.all_gather(t).cpu();
+  return t.unsqueeze(0).cpu();
+}
+
+/// `"last"` and `"best"` through the callbacks that find checkpoints (callbacks/concept.hpp); any other path
+/// as it is. "" for a "last" that finds nothing yet (a fresh start, as Lightning).
+template <class S, class P, class A, class... Cs>
+std::string Trainer<S, P, A, Cs...>::resolve_ckpt_path(const std::string& path) const {
+  if (path != "last" && path != "best") return path;
+  bool any = false;
+  std::string found;
+  std::apply([&](const auto&... cb) {
+    auto one = [&](const auto& c) {
+      if constexpr (requires { c.find_last_checkpoint(*this); c.find_best_checkpoint(*this); }) {
+        any = true;
+        if (found.empty()) found = path == "last" ? c.find_last_checkpoint(*this) : c.find_best_checkpoint(*this);
+      }
+    };
+    (one(cb), ...);
+    (void)one;
+  }, callbacks_);
+  if (!any) {
+    throw ConfigError("volt: fit(..., ckpt_path=\"" + path + "\") looks for checkpoints through a ModelCheckpoint "
+                      "callback, and this Trainer has none. Add one, or give the checkpoint's file path.");
+  }
+  if (found.empty() && path == "best") {
+    throw CheckpointError("volt: fit(..., ckpt_path=\"best\"): no best checkpoint is known yet (no ModelCheckpoint "
+                          "has saved one with a monitor, and its folder holds no checkpoint naming one).");
+  }
+  if (found.empty() && strategy_.is_global_zero()) {
+    std::cerr << "volt: fit(..., ckpt_path=\"last\"): no checkpoint was found yet; training starts from the beginning.\n";
+  }
+  return found;
+}
+
+/// Reads and checks `path` (checkpoint_connector.hpp), then loads all of it: on any error nothing is changed.
+/// Returns where the fit loop goes on.
+template <class S, class P, class A, class... Cs>
+template <class Impl, class TL>
+detail::ResumePoint Trainer<S, P, A, Cs...>::restore(Impl& module, TL& train_loader, const std::string& path) {
+  checkpoint::ResumeState r = checkpoint::read_for_resume(path, module, train_loader, params_.size(),
+                                                          optim_.scheduler != nullptr, strategy_.global_rank());
+
+  // What can still refuse the state (the optimizer, the precision, callbacks, the module) goes first, with backups.
+  const at::Tensor optimizer_backup = checkpoint::optimizer_state(*optim_.optimizer);
+  const auto precision_backup = precision_.state_dict();
+  std::vector<std::function<void()>> undo;
+  checkpoint::load_optimizer_state(*optim_.optimizer, r.optimizer, path);
+  try {
+    if (!r.precision.empty()) precision_.load_state_dict(r.precision);
+    checkpoint::load_callbacks_state(callbacks_, r.callbacks, path, undo);
+    if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) module.on_load_checkpoint(r.file);
+  } catch (const std::exception& e) {
+    for (auto& u : undo) u();
+    precision_.load_state_dict(precision_backup);
+    checkpoint::load_optimizer_state(*optim_.optimizer, optimizer_backup, path);
+    throw CheckpointError("volt: " + path + " could not be loaded (" + std::string(e.what()) + "); nothing was changed.");
+  }
+
+  // The rest cannot fail any more.
+  if (optim_.scheduler) checkpoint::load_scheduler_step_count(*optim_.scheduler, *r.scheduler_step_count);
+  checkpoint::load_module_state(module, r.weights);
+  {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < r.grads.size(); ++i) {
+      if (r.grads[i]) params_[i].mutable_grad() = r.grads[i]->to(params_[i].device());
+    }
+  }
+  if constexpr (data::PositionedLoader<TL>) {
+    if (r.train_loader) train_loader.load_state_dict(*r.train_loader);
+  }
+  state_.current_epoch = r.point.epoch;
+  state_.global_step = r.point.global_step;
+  progress_.load(r.point);
+  train_store_.clear();
+  for (auto& e : r.metrics) {
+    if (e.accumulated.defined()) e.accumulated = e.accumulated.to(state_.device);
+    train_store_.entries().push_back(std::move(e));
+  }
+  const detail::ResumePoint& p = r.point;
+  if (!p.loader_positioned && p.world_size != strategy_.world_size() && p.batch_in_epoch > 0 && !p.epoch_finished &&
+      strategy_.is_global_zero()) {
+    std::cerr << "volt: " << path << " was saved mid-epoch on " << p.world_size << " ranks and resumes on "
+              << strategy_.world_size() << "; the training loader keeps no position (use a volt::data loader), so "
+              << p.batch_in_epoch << " batches of each rank's shard are skipped, which is not the same samples.\n";
+  }
+  return std::move(r.point);
+}
+
+}  // namespace volt

@@ -1,0 +1,97 @@
+#pragma once
+/// \file
+/// The Loader kind: what the Trainer asks of the loaders it is given. Anything with `begin()` and `end()` that
+/// yields batches is a loader (a torch::data loader, a `std::vector` of batches, volt::data's loaders), or a
+/// pointer to one (the `std::unique_ptr` that `torch::data::make_data_loader` returns). Each further member is
+/// optional and adds a capability:
+///
+/// | member | capability | used for |
+/// |---|---|---|
+/// | `size() -> integer` | `SizedLoader` | fractions in `limit_*_batches` and `val_check_interval`; knowing the last batch without reading ahead |
+/// | `shard(int rank, int world_size) -> loader` | `ShardableLoader` | DDP gives each rank its share (volt::data's loaders: one permutation, padded as DistributedSampler) |
+/// | `set_epoch(int64_t)` | | called before each training epoch (the shuffle's seed) |
+/// | `state_dict() const -> LoaderState`, `check_state(const LoaderState&) const` (throws `std::invalid_argument` naming each difference), `load_state_dict(const LoaderState&)`, `batches_done() const -> integer` | `PositionedLoader` | a checkpoint records where the training loader stands, and a resumed fit starts from there, on any number of ranks |
+///
+/// A loader without a position is resumed by skipping the batches already trained on in that epoch.
+
+#include <concepts>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+namespace volt::data {
+
+/// Where a loader stands, with what it must match to be loaded again.
+struct LoaderState {
+  int64_t epoch = 0;
+  /// Positions of the epoch's order consumed by the whole run; `dataset_size` once the epoch is done.
+  int64_t consumed = 0;
+  int64_t dataset_size = 0;
+  int64_t batch_size = 0;
+  uint64_t seed = 0;
+  bool shuffle = false;
+  bool drop_last = false;
+  /// The number of ranks of the run that saved it (for messages; any number may resume it).
+  int world_size = 1;
+
+  bool operator==(const LoaderState&) const = default;
+};
+
+/// Iterable for batches: `begin()` and `end()`.
+template <class L>
+concept Loader = requires(L& l) {
+  l.begin();
+  l.end();
+};
+
+/// Knows its number of batches.
+template <class L>
+concept SizedLoader = requires(L& l) {
+  { l.size() } -> std::convertible_to<int64_t>;
+};
+
+/// Gives the part of itself that one rank of `world_size` iterates.
+template <class L>
+concept ShardableLoader = requires(const L& l) { l.shard(0, 1); };
+
+/// Keeps its position: its next pass starts where a loaded state says.
+template <class L>
+concept PositionedLoader = requires(L& l, const L& cl, const LoaderState& s) {
+  { cl.state_dict() } -> std::same_as<LoaderState>;
+  cl.check_state(s);
+  l.load_state_dict(s);
+  { cl.batches_done() } -> std::convertible_to<int64_t>;
+};
+
+}  // namespace volt::data
+
+namespace volt::detail {
+
+/// The loader itself, or what a pointer-like loader points to.
+template <class L>
+decltype(auto) deref_loader(L& loader) {
+  if constexpr (data::Loader<L>) {
+    return (loader);
+  } else {
+    static_assert(requires { (*loader).begin(); },
+                  "volt: a loader must have begin() and end() yielding batches (a torch::data loader, a std::vector "
+                  "of batches, volt::data::TensorLoader, ...) or point to one.");
+    return (*loader);
+  }
+}
+
+/// The batch type a loader (or what it points to) yields.
+template <class L>
+using batch_t = std::remove_cvref_t<decltype(*deref_loader(std::declval<L&>()).begin())>;
+
+/// Its number of batches, or -1 when it cannot tell.
+template <class L>
+int64_t loader_size(L& loader) {
+  if constexpr (data::SizedLoader<L>) {
+    return static_cast<int64_t>(loader.size());
+  } else {
+    return -1;
+  }
+}
+
+}  // namespace volt::detail

@@ -1,0 +1,46 @@
+#pragma once
+/// \file
+/// How every loop walks a loader: `for_each_batch`, with a start (a resumed epoch), a limit and the knowledge of
+/// which batch is the last, read one batch ahead when the loader has no size.
+
+#include "volt/data/concept.hpp"
+
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+namespace volt::detail {
+
+/// Calls `f(batch, batch_idx, is_last)` for batch indices `start` .. `limit` - 1 (-1: all); `f` returns
+/// false to stop. A loader that resumes at batch `start` by itself (a positioned loader that loaded a
+/// state) is read from its beginning; any other has its first `start` batches skipped (`skip`). A sized
+/// loader knows its last batch; an unsized one is read one batch ahead.
+template <class L, class F>
+void for_each_batch(L& loader, int64_t limit, F&& f, int64_t start = 0, bool skip = false) {
+  if (limit == 0 || (limit > 0 && start >= limit)) return;
+  auto it = loader.begin();
+  auto end = loader.end();
+  if (skip) {
+    for (int64_t i = 0; i < start && it != end; ++i) ++it;
+  }
+  if constexpr (data::SizedLoader<L>) {
+    for (int64_t idx = start; it != end && (limit < 0 || idx < limit); ++it, ++idx) {
+      auto&& batch = *it;
+      if (!f(batch, idx, idx + 1 == limit)) return;
+    }
+  } else {
+    if (it == end) return;
+    using B = std::remove_cvref_t<decltype(*it)>;
+    std::optional<B> current(std::in_place, *it);
+    ++it;
+    for (int64_t idx = start;; ++idx) {
+      const bool last = it == end || (limit >= 0 && idx + 1 >= limit);
+      if (!f(*current, idx, last) || last) return;
+      current.emplace(*it);
+      ++it;
+    }
+  }
+}
+
+}  // namespace volt::detail

@@ -1,0 +1,134 @@
+#pragma once
+/// \file
+/// Part of volt/trainer.hpp, included at its end: the one evaluation loop. Validation, the sanity check, test
+/// and predict differ only in their hooks, their step and whether their values are published
+/// (loops/evaluation.hpp); `eval_epoch` runs any of them. Not a header of its own: include volt/trainer.hpp.
+
+#include <c10/core/InferenceMode.h>
+#include <torch/utils.h>
+
+#include <optional>
+
+namespace volt {
+namespace detail {
+
+/// InferenceMode or NoGradGuard, chosen at run time (TrainerOptions::inference_mode).
+class EvalGradGuard {
+ public:
+  explicit EvalGradGuard(bool inference_mode) {
+    if (inference_mode) {
+      inference_.emplace();
+    } else {
+      no_grad_.emplace();
+    }
+  }
+
+ private:
+  std::optional<c10::InferenceMode> inference_;
+  std::optional<torch::NoGradGuard> no_grad_;
+};
+
+}  // namespace detail
+
+/// One pass of an evaluation stage over `limit` batches, hooks included: start, epoch start, each batch (its
+/// start hook, the step, its end hook with the output `sink` keeps: the step's own, or predict's copy in its results), epoch end, the epoch
+/// values published (not in the sanity check: Lightning throws them away), end.
+template <class S, class P, class A, class... Cs>
+template <class Kind, class Impl, class L, class Sink>
+void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, int64_t limit, Stage stage, Sink&& sink) {
+  hook<typename Kind::start>(module, ctx);
+  hook<typename Kind::epoch_start>(module, ctx);
+  detail::for_each_batch(loader, limit, [&](auto&& batch, int64_t idx, bool) {
+    enter_batch(batch, idx);
+    hook<typename Kind::batch_start>(module, ctx, batch, idx);
+    auto out = run_eval_step(batch, [&](auto& b) { return Kind::step(module, b, ctx); });
+    decltype(auto) kept = sink(out);
+    hook<typename Kind::batch_end>(module, ctx, kept, batch, idx);
+    leave_batch();
+    return true;
+  });
+  hook<typename Kind::epoch_end>(module, ctx);
+  if constexpr (Kind::publishes) {
+    if (stage != Stage::sanity_check) {
+      detail::MetricMap to_log;
+      logger_.publish_epoch(eval_store_, collectives_, &to_log);
+      send_to_loggers(to_log);
+    }
+  }
+  hook<typename Kind::end>(module, ctx);
+}
+
+/// Validation (or the sanity check) inside a fit, or a standalone validate/test: the module in eval mode
+/// without gradients, fresh metric values, the stage set for Contexts and callbacks.
+template <class S, class P, class A, class... Cs>
+template <class Kind, class Impl, class L>
+void Trainer<S, P, A, Cs...>::run_eval_loop(Impl& module, L& loader, Stage stage, int64_t limit) {
+  const Stage previous = state_.stage;
+  state_.stage = stage;
+  eval_store_.clear();
+  num_eval_batches_ = limit;
+  Context ctx(state_, eval_store_);
+  const bool was_training = module.is_training();
+  module.eval();
+  {
+    detail::EvalGradGuard no_grad(options_.inference_mode);
+    eval_epoch<Kind>(module, ctx, loader, limit, stage, [](auto& out) -> auto& { return out; });
+  }
+  if (was_training) module.train();
+  state_.stage = previous;
+}
+
+/// `validate` and `test`: a run of its own around one evaluation loop; returns the callback metrics.
+template <class S, class P, class A, class... Cs>
+template <class Kind, class Impl, class L>
+std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl& module, L& loader, Stage stage) {
+  reset_state_keeping_progress();
+  logger_.clear();
+  setup_run(module);
+  decltype(auto) processed = strategy_.process_dataloader(loader, stage);
+  const Limit& limit = stage == Stage::test ? options_.limit_test_batches : options_.limit_val_batches;
+  const int64_t n = limit.resolve(detail::loader_size(processed), stage == Stage::test ? "limit_test_batches"
+                                                                                        : "limit_val_batches");
+  Context ctx(state_, eval_store_);
+  try {
+    hook<detail::hooks::setup>(module, ctx, stage);
+    run_eval_loop<Kind>(module, processed, stage, n);
+    hook<detail::hooks::teardown>(module, ctx, stage);
+  } catch (...) {
+    const std::exception_ptr error = std::current_exception();
+    detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
+    leave_batch();
+    throw;
+  }
+  return callback_metric_values();
+}
+
+/// `predict`: the evaluation loop with predict's hooks, each step's result kept in order.
+template <class S, class P, class A, class... Cs>
+template <class R, class Impl, class L>
+std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader) {
+  reset_state_keeping_progress();
+  setup_run(module);
+  state_.stage = Stage::predict;
+  decltype(auto) processed = strategy_.process_dataloader(loader, Stage::predict);
+  const int64_t n = options_.limit_predict_batches.resolve(detail::loader_size(processed), "limit_predict_batches");
+  num_eval_batches_ = n;
+  Context ctx(state_, eval_store_);
+  std::vector<R> results;
+  if (n > 0) results.reserve(static_cast<std::size_t>(n));
+  const bool was_training = module.is_training();
+  module.eval();
+  {
+    detail::EvalGradGuard no_grad(options_.inference_mode);
+    hook<detail::hooks::setup>(module, ctx, Stage::predict);
+    eval_epoch<detail::PredictKind>(module, ctx, processed, n, Stage::predict, [&](R& out) -> R& {
+      results.push_back(std::move(out));
+      return results.back();
+    });
+    hook<detail::hooks::teardown>(module, ctx, Stage::predict);
+  }
+  if (was_training) module.train();
+  return results;
+}
+
+}  // namespace volt

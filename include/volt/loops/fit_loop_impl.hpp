@@ -1,0 +1,246 @@
+#pragma once
+/// \file
+/// Part of volt/trainer.hpp, included at its end: the fit, as Lightning's `_FitLoop` and
+/// `_TrainingEpochLoop` — set-up, the optional resume, the sanity check, epochs of training batches with
+/// validation where `val_check_interval` and `check_val_every_n_epoch` put it, and the stop decision.
+/// Not a header of its own: include volt/trainer.hpp.
+
+#include <exception>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace volt {
+
+/// The body of `fit` in each process that trains: set-up, hooks around the loops, teardown (also on failure).
+template <class S, class P, class A, class... Cs>
+template <class Impl, class TL, class VL>
+void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const std::string& ckpt_path) {
+  state_ = detail::LoopState{};
+  progress_ = detail::FitProgress{};
+  train_store_.clear();
+  logger_.clear();
+  setup_run(module);
+  Context ctx(state_, train_store_);
+  module_ = &module;
+
+  decltype(auto) train_loader = strategy_.process_dataloader(train, Stage::train);
+  using PTL = std::remove_reference_t<decltype(train_loader)>;
+  if constexpr (requires(Impl& m, checkpoint::Dict& d) { m.on_save_checkpoint(d); }) {
+    module_save_hook_ = [&module](checkpoint::Dict& d) { module.on_save_checkpoint(d); };
+  } else {
+    module_save_hook_ = nullptr;
+  }
+  if constexpr (data::PositionedLoader<PTL>) {
+    train_loader_state_ = [&train_loader] { return train_loader.state_dict(); };
+  } else {
+    train_loader_state_ = nullptr;
+  }
+  fitting_ = true;
+  final_loader_state_.reset();
+  struct FitScope {  // however the fit ends: the loader's last position kept, nothing left "running"
+    Trainer* t;
+    ~FitScope() {
+      t->fitting_ = false;
+      if (t->train_loader_state_) t->final_loader_state_ = t->train_loader_state_();
+      t->train_loader_state_ = nullptr;
+      t->progress_.in_train_batch = t->progress_.in_epoch_end = false;
+    }
+  } scope{this};
+
+  try {
+    const std::string resume_from = ckpt_path.empty() ? std::string() : resolve_ckpt_path(ckpt_path);
+    hook<detail::hooks::setup>(module, ctx, Stage::train);
+    optim_ = detail::to_optimizer_config(module.configure_optimizers());
+    if (!optim_.optimizer) {
+      throw std::invalid_argument("volt: configure_optimizers returned no optimizer (a null pointer).");
+    }
+    if (optim_.frequency < 1) {
+      throw ConfigError("volt: OptimizerConfig frequency=" + std::to_string(optim_.frequency) +
+                        " is not allowed: give a number >= 1.");
+    }
+    params_ = module.parameters();
+
+    auto go = [&](auto* processed_val) {
+      resolve_fit_sizes(train_loader, processed_val);
+      std::optional<detail::ResumePoint> resume;
+      if (!resume_from.empty()) resume = restore(module, train_loader, resume_from);
+      fit_loop(module, ctx, train_loader, processed_val, std::move(resume));
+    };
+    if constexpr (!std::is_same_v<VL, NoLoader>) {
+      decltype(auto) val_loader = strategy_.process_dataloader(*val, Stage::validate);
+      go(&val_loader);
+    } else {
+      go(static_cast<NoLoader*>(nullptr));
+    }
+
+    hook<detail::hooks::teardown>(module, ctx, Stage::train);
+    strategy_.teardown();
+  } catch (...) {
+    const std::exception_ptr error = std::current_exception();
+    detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
+    leave_batch();
+    strategy_.teardown();
+    throw;
+  }
+}
+
+/// The fit's loops: the sanity check, then epochs until fit_done. `resume`: where a checkpoint left off.
+template <class S, class P, class A, class... Cs>
+template <class Impl, class TL, class VL>
+void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL* val,
+                                       std::optional<detail::ResumePoint> resume) {
+  hook<detail::hooks::on_fit_start>(module, ctx);
+
+  if constexpr (!std::is_same_v<VL, NoLoader>) {
+    if (num_val_batches_ != 0 && options_.num_sanity_val_steps != 0) {
+      const int64_t n = options_.num_sanity_val_steps < 0
+                            ? num_val_batches_
+                            : (num_val_batches_ < 0 ? options_.num_sanity_val_steps
+                                                    : std::min(options_.num_sanity_val_steps, num_val_batches_));
+      state_.stage = Stage::sanity_check;
+      detail::call_callbacks<detail::hooks::on_sanity_check_start>(callbacks_, *this, module);
+      run_eval_loop<detail::ValidationKind>(module, *val, Stage::sanity_check, n);
+      detail::call_callbacks<detail::hooks::on_sanity_check_end>(callbacks_, *this, module);
+      state_.stage = Stage::train;
+    }
+  }
+
+  module.train();
+  hook<detail::hooks::on_train_start>(module, ctx);
+
+  if (resume) {  // the generators as they were at the save; an epoch saved from its end hooks is closed
+    checkpoint::set_rng_states(resume->rng);
+    if (resume->epoch_finished) {
+      resume.reset();
+      close_epoch();
+    }
+  }
+
+  while (!fit_done()) {
+    if constexpr (requires { train.set_epoch(int64_t{}); }) train.set_epoch(state_.current_epoch);
+    if (!resume) train_store_.clear();  // a resumed epoch keeps the metric sums of its first part
+    state_.stage = Stage::train;
+    hook<detail::hooks::on_train_epoch_start>(module, ctx);
+
+    int64_t start = 0;
+    bool skip = false;
+    if (resume) {
+      start = resume->batch_in_epoch;
+      skip = !resume->loader_positioned;  // a loader without a saved position skips what was trained on
+      if constexpr (data::PositionedLoader<TL>) {
+        if (resume->loader_positioned) start = train.batches_done();
+      }
+      if (resume->val_pending) run_validation(module, val);  // the check of the batch the save followed
+      resume.reset();
+    }
+    progress_.batches_this_epoch = start;
+    detail::for_each_batch(
+        train, num_training_batches_,
+        [&](auto&& batch, int64_t batch_idx, bool is_last) {
+          progress_.batches_this_epoch = batch_idx + 1;
+          return train_batch(module, ctx, batch, batch_idx, is_last, val);
+        },
+        start, skip);
+
+    // Epoch end: callbacks, the module, then callbacks that monitor metrics (they see its logs).
+    progress_.in_epoch_end = true;
+    logger_.publish_epoch(train_store_, collectives_, nullptr);
+    detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::not_monitoring>(callbacks_, *this, module);
+    detail::hooks::on_train_epoch_end::module(module, ctx);
+    detail::MetricMap epoch_log;
+    logger_.publish_epoch(train_store_, collectives_, &epoch_log);
+    detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::monitoring>(callbacks_, *this, module);
+    send_to_loggers(epoch_log);
+    progress_.in_epoch_end = false;
+    close_epoch();
+  }
+
+  hook<detail::hooks::on_train_end>(module, ctx);
+  hook<detail::hooks::on_fit_end>(module, ctx);
+}
+
+/// Training batches per epoch, the validation interval in batches, and validation batches per run.
+template <class S, class P, class A, class... Cs>
+template <class TL, class VL>
+void Trainer<S, P, A, Cs...>::resolve_fit_sizes(TL& train, VL* val) {
+  num_training_batches_ = options_.limit_train_batches.resolve(detail::loader_size(train), "limit_train_batches");
+  val_check_batch_ = -1;
+  const Limit& vci = options_.val_check_interval;
+  if (!vci.is_fraction()) {
+    val_check_batch_ = vci.count();
+    if (options_.check_val_every_n_epoch && num_training_batches_ >= 0 && val_check_batch_ > num_training_batches_) {
+      throw ConfigError("volt: val_check_interval=" + std::to_string(val_check_batch_) +
+                        " must be no more than the number of training batches per epoch (" +
+                        std::to_string(num_training_batches_) +
+                        "). Give a smaller value, a fraction, or leave check_val_every_n_epoch unset to count "
+                        "batches across epochs.");
+    }
+  } else if (num_training_batches_ >= 0) {
+    val_check_batch_ = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(num_training_batches_) * vci.fraction()));
+  } else if (vci.fraction() != 1.0) {
+    throw ConfigError("volt: val_check_interval=" + std::to_string(vci.fraction()) +
+                      " is a fraction of the training loader, which has no size(). Give an integer number of "
+                      "batches.");
+  }
+  num_val_batches_ = 0;
+  if constexpr (!std::is_same_v<VL, NoLoader>) {
+    num_val_batches_ = options_.limit_val_batches.resolve(detail::loader_size(*val), "limit_val_batches");
+  }
+}
+
+/// Whether min_epochs and min_steps are met, so a stop request may end the fit.
+template <class S, class P, class A, class... Cs>
+bool Trainer<S, P, A, Cs...>::can_stop_early() const {
+  return state_.current_epoch >= options_.min_epochs && state_.global_step >= options_.min_steps;
+}
+/// Whether max_steps optimizer steps were taken.
+template <class S, class P, class A, class... Cs>
+bool Trainer<S, P, A, Cs...>::max_steps_reached() const {
+  return options_.max_steps >= 0 && state_.global_step >= options_.max_steps;
+}
+/// Whether the fit ends before another epoch: no batches, max_steps, max_epochs, or an honoured stop request.
+template <class S, class P, class A, class... Cs>
+bool Trainer<S, P, A, Cs...>::fit_done() const {
+  if (num_training_batches_ == 0 || max_steps_reached()) return true;
+  if (max_epochs_ >= 0 && state_.current_epoch >= max_epochs_) return true;
+  return progress_.should_stop && can_stop_early();
+}
+
+/// Whether validation runs after training batch `batch_idx` (`is_last`: the epoch's last).
+template <class S, class P, class A, class... Cs>
+bool Trainer<S, P, A, Cs...>::should_check_val(int64_t batch_idx, bool is_last) const {
+  if (num_val_batches_ == 0) return false;
+  if (options_.check_val_every_n_epoch && (state_.current_epoch + 1) % *options_.check_val_every_n_epoch != 0) {
+    return false;
+  }
+  const bool infinite = val_check_batch_ < 0;
+  if (is_last && infinite) return true;
+  if (progress_.should_stop && can_stop_early()) return true;
+  if (infinite) return false;
+  const int64_t iteration = options_.check_val_every_n_epoch ? batch_idx : progress_.total_batch_idx;
+  return (iteration + 1) % val_check_batch_ == 0;
+}
+
+/// After an epoch's end hooks: the epoch-interval scheduler step, the next epoch, the stop decision.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::close_epoch() {
+  if (optim_.scheduler && optim_.interval == Interval::epoch && (state_.current_epoch + 1) % optim_.frequency == 0) {
+    optim_.scheduler->step();
+  }
+  ++state_.current_epoch;
+  progress_.should_stop = strategy_.reduce_boolean_decision(progress_.should_stop, /*all=*/false);
+}
+
+/// A validation run inside the fit; the module goes back to training.
+template <class S, class P, class A, class... Cs>
+template <class Impl, class VL>
+void Trainer<S, P, A, Cs...>::run_validation(Impl& module, VL* val) {
+  if constexpr (!std::is_same_v<VL, NoLoader>) {
+    run_eval_loop<detail::ValidationKind>(module, *val, Stage::validate, num_val_batches_);
+    module.train();
+    state_.stage = Stage::train;
+  }
+}
+
+}  // namespace volt

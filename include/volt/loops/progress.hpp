@@ -1,0 +1,120 @@
+#pragma once
+/// \file
+/// The fit loop's progress counters, one object with its own state dict (the checkpoint's `loops` entry), and
+/// the point a checkpoint resumes from. The epoch and the optimizer step live in `detail::LoopState`, where
+/// modules read them through their Context; everything else the fit loop counts is here.
+
+#include "volt/checkpoint.hpp"
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace volt::detail {
+
+/// Keys of the checkpoint's `loops` entry.
+namespace loop_keys {
+inline constexpr const char* epoch = "epoch";
+inline constexpr const char* global_step = "global_step";
+inline constexpr const char* batch_in_epoch = "batch_in_epoch";
+inline constexpr const char* total_batch_idx = "total_batch_idx";
+inline constexpr const char* epoch_finished = "epoch_finished";
+inline constexpr const char* val_pending = "val_pending";
+inline constexpr const char* should_stop = "should_stop";
+inline constexpr const char* world_size = "world_size";
+}  // namespace loop_keys
+
+/// Where a checkpoint's fit stood: what `FitProgress::state_dict` wrote, read back and checked.
+struct ResumePoint {
+  /// The epoch to go on with (completed epochs) and the optimizer steps taken.
+  int64_t epoch = 0;
+  int64_t global_step = 0;
+  /// Training batches run in the fit so far.
+  int64_t total_batch_idx = 0;
+  /// Batches of `epoch` already trained on (the next one to run).
+  int64_t batch_in_epoch = 0;
+  /// The save came from the epoch's end hooks: the epoch only needs closing.
+  bool epoch_finished = false;
+  /// The save came after a training batch whose validation had not started yet: it runs first.
+  bool val_pending = false;
+  bool should_stop = false;
+  /// Ranks of the run that saved it.
+  int world_size = 1;
+  /// Filled by the checkpoint connector: this rank's generator states at the save, and whether the training
+  /// loader took up its saved position (otherwise `batch_in_epoch` batches are skipped).
+  std::vector<at::Tensor> rng;
+  bool loader_positioned = false;
+
+  static ResumePoint from_state_dict(const checkpoint::Dict& loops, const std::string& path) {
+    auto i = [&](const char* k) { return checkpoint::entry(loops, k, path).toInt(); };
+    auto b = [&](const char* k) { return checkpoint::entry(loops, k, path).toBool(); };
+    ResumePoint r;
+    r.epoch = i(loop_keys::epoch);
+    r.global_step = i(loop_keys::global_step);
+    r.total_batch_idx = i(loop_keys::total_batch_idx);
+    r.batch_in_epoch = i(loop_keys::batch_in_epoch);
+    r.epoch_finished = b(loop_keys::epoch_finished);
+    r.val_pending = b(loop_keys::val_pending);
+    r.should_stop = b(loop_keys::should_stop);
+    r.world_size = static_cast<int>(i(loop_keys::world_size));
+    return r;
+  }
+};
+
+/// What the fit loop counts besides the epoch and the step, and where inside an epoch it is (a checkpoint can
+/// be taken from any hook, so it must know whether a batch or an epoch's end is running).
+struct FitProgress {
+  /// Training batches run in this fit, across epochs (val_check_interval counts these when
+  /// check_val_every_n_epoch is unset).
+  int64_t total_batch_idx = 0;
+  /// Batches of the running epoch done so far (the running one included).
+  int64_t batches_this_epoch = 0;
+  /// The running training batch: its index and whether it is the epoch's last.
+  int64_t train_batch_idx = 0;
+  bool train_is_last = false;
+  /// A training batch is running (its step, its hooks or the validation it triggers).
+  bool in_train_batch = false;
+  /// The epoch's end hooks are running.
+  bool in_epoch_end = false;
+  /// The running batch does not end its gradient-accumulation window (its gradients are mid-sum).
+  bool mid_window = false;
+  /// The running batch's validation has started.
+  bool val_started = false;
+  /// A callback or the module asked the fit to stop (honoured once min_epochs and min_steps are met).
+  bool should_stop = false;
+
+  /// The `loops` entry of a checkpoint taken now. `val_due`: the running batch is one after which validation
+  /// runs. A save during a batch resumes after it; a save from an epoch's end hooks resumes by closing it.
+  checkpoint::Dict state_dict(int64_t epoch, int64_t global_step, bool val_due, int world_size) const {
+    int64_t batch_in_epoch = 0, total = total_batch_idx;
+    bool finished = false, val_pending = false;
+    if (in_epoch_end) {
+      finished = true;
+      batch_in_epoch = batches_this_epoch;
+    } else if (in_train_batch) {
+      batch_in_epoch = train_batch_idx + 1;
+      total = total_batch_idx + 1;
+      val_pending = val_due && !val_started;
+    }
+    checkpoint::Dict d = checkpoint::make_dict();
+    d.insert(loop_keys::epoch, epoch);
+    d.insert(loop_keys::global_step, global_step);
+    d.insert(loop_keys::batch_in_epoch, batch_in_epoch);
+    d.insert(loop_keys::total_batch_idx, total);
+    d.insert(loop_keys::epoch_finished, finished);
+    d.insert(loop_keys::val_pending, val_pending);
+    d.insert(loop_keys::should_stop, should_stop);
+    d.insert(loop_keys::world_size, static_cast<int64_t>(world_size));
+    return d;
+  }
+
+  /// Takes up the counters of a resumed fit.
+  void load(const ResumePoint& r) {
+    total_batch_idx = r.total_batch_idx;
+    should_stop = r.should_stop;
+  }
+};
+
+}  // namespace volt::detail

@@ -1,0 +1,184 @@
+#pragma once
+/// \file
+/// Part of volt/trainer.hpp, included at its end (ensmallen's `_impl` pattern): what every run shares —
+/// fast_dev_run, the set-up of a run, the batch a step sees, the hook fan-out, and handing metrics to loggers.
+/// Not a header of its own: include volt/trainer.hpp.
+
+#include <ATen/Context.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/utils.h>
+
+#include <cstdlib>
+#include <typeinfo>
+
+namespace volt {
+namespace detail {
+
+/// The size of a batch of type `B` for weighted epoch means, or -1 when volt cannot look inside `B`
+/// (Context::log then asks for `.batch_size`).
+template <class B>
+int64_t batch_size_of(const void* batch) {
+  if constexpr (MappableBatch<B>) {
+    return infer_batch_size(*static_cast<const B*>(batch));
+  } else {
+    return -1;
+  }
+}
+
+}  // namespace detail
+
+/// fast_dev_run's overrides, as Lightning's; then max_epochs in effect.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::apply_fast_dev_run() {
+  if (options_.fast_dev_run > 0) {
+    const int64_t n = options_.fast_dev_run;
+    options_.limit_train_batches = Limit(n);
+    options_.limit_val_batches = Limit(n);
+    options_.limit_test_batches = Limit(n);
+    options_.limit_predict_batches = Limit(n);
+    options_.max_steps = n;
+    options_.max_epochs = 1;
+    options_.num_sanity_val_steps = 0;
+    options_.val_check_interval = Limit::all();
+    options_.check_val_every_n_epoch = 1;
+  }
+  max_epochs_ = options_.max_epochs.value_or(options_.max_steps == -1 ? 1000 : -1);
+}
+
+/// Phase (c): seeds, determinism, the strategy's environment and the module's placement and precision.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::setup_run(torch::nn::Module& module) {
+  if (options_.seed) torch::manual_seed(*options_.seed);
+  if (options_.deterministic) {
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+    at::globalContext().setDeterministicCuDNN(true);
+    at::globalContext().setBenchmarkCuDNN(false);
+    ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  }
+  strategy_.setup_environment(A::device(strategy_.local_rank()));
+  state_.device = strategy_.root_device();
+  state_.global_rank = strategy_.global_rank();
+  state_.world_size = strategy_.world_size();
+  collectives_ = detail::StrategyCollectives<strategy_type>(&strategy_);
+  state_.collectives = &collectives_;
+  strategy_.setup_module(module);
+  precision_.convert_module(module);
+}
+
+/// A fresh loop state that keeps the epoch and step counters of earlier runs (as Lightning's Trainer).
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::reset_state_keeping_progress() {
+  const int64_t epoch = state_.current_epoch, step = state_.global_step;
+  state_ = detail::LoopState{};
+  state_.current_epoch = epoch;
+  state_.global_step = step;
+}
+
+/// The batch Context::log sizes values by, until leave_batch.
+template <class S, class P, class A, class... Cs>
+template <class B>
+void Trainer<S, P, A, Cs...>::enter_batch(const B& batch, int64_t batch_idx) {
+  state_.batch_idx = batch_idx;
+  state_.in_batch = true;
+  state_.batch = &batch;
+  state_.batch_size_of = &detail::batch_size_of<B>;
+  state_.batch_type = &typeid(B);
+}
+/// The batch is over: Context::log no longer sizes values by it.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::leave_batch() {
+  state_.in_batch = false;
+  state_.batch = nullptr;
+}
+
+/// Calls `f` with the batch the step sees: moved to the device and cast for "true" precisions, or the
+/// loader's own object when neither applies (CPU, no cast: no copy at all).
+template <class S, class P, class A, class... Cs>
+template <class B, class F>
+decltype(auto) Trainer<S, P, A, Cs...>::with_device_batch(B& batch, F&& f) {
+  constexpr bool moves = A::device_type != c10::DeviceType::CPU;
+  if constexpr (moves || P::converts_inputs) {
+    auto prepared = [&] {
+      if constexpr (moves && P::converts_inputs) {
+        return batch_to_floating_dtype(batch_to_device(batch, state_.device), P::input_dtype);
+      } else if constexpr (moves) {
+        return batch_to_device(batch, state_.device);
+      } else {
+        return batch_to_floating_dtype(batch, P::input_dtype);
+      }
+    }();
+    return f(prepared);
+  } else {
+    return f(batch);
+  }
+}
+
+/// Runs an evaluation step under the precision's forward context; a void step yields an undefined tensor.
+template <class S, class P, class A, class... Cs>
+template <class B, class F>
+auto Trainer<S, P, A, Cs...>::run_eval_step(B& batch, F&& step) {
+  return with_device_batch(batch, [&](auto& b) {
+    [[maybe_unused]] auto guard = precision_.forward_context(A::device_type);
+    if constexpr (std::is_void_v<decltype(step(b))>) {
+      step(b);
+      return torch::Tensor();
+    } else {
+      return step(b);
+    }
+  });
+}
+
+/// Hook `H` on every callback in pack order, then on the module (detail/hooks.hpp).
+template <class S, class P, class A, class... Cs>
+template <class H, class Impl, class... Args>
+decltype(auto) Trainer<S, P, A, Cs...>::hook(Impl& module, Context& ctx, Args&&... args) {
+  return detail::call_hook<H>(callbacks_, *this, module, ctx, std::forward<Args>(args)...);
+}
+
+/// Hands metrics to every logger callback (with the epoch, as Lightning adds it) and clears them.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::send_to_loggers(detail::MetricMap& metrics) {
+  if constexpr (has_loggers()) {
+    if (metrics.empty()) return;
+    auto values = detail::to_doubles(metrics);
+    values["epoch"] = static_cast<double>(state_.current_epoch);
+    const int64_t step = std::max<int64_t>(state_.global_step - 1, 0);
+    std::apply([&](auto&... cb) {
+      auto one = [&](auto& c) {
+        if constexpr (requires { c.on_log_metrics(*this, values, step); }) c.on_log_metrics(*this, values, step);
+      };
+      (one(cb), ...);
+      (void)one;
+    }, callbacks_);
+  }
+  metrics.clear();
+}
+
+/// See the declaration: callback_metrics (and the progress bar) now, loggers at once.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::record_metric(const std::string& name, double value, bool prog_bar, bool logger) {
+  const torch::Tensor v = torch::scalar_tensor(value, torch::kFloat64);
+  logger_.record(name, v, prog_bar, logger);
+  if (logger) {
+    detail::MetricMap now{{name, v}};
+    send_to_loggers(now);
+  }
+}
+
+/// The first non-empty best_model_path() among the callbacks that have one (callbacks/concept.hpp).
+template <class S, class P, class A, class... Cs>
+std::string Trainer<S, P, A, Cs...>::best_model_path() const {
+  std::string path;
+  std::apply([&](const auto&... cb) {
+    auto one = [&](const auto& c) {
+      if constexpr (requires { c.best_model_path(); }) {
+        if (path.empty()) path = std::string(c.best_model_path());
+      }
+    };
+    (one(cb), ...);
+    (void)one;
+  }, callbacks_);
+  return path;
+}
+
+}  // namespace volt

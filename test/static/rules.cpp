@@ -1,0 +1,135 @@
+// The compile-time truth table (as mp-units' test/static): every policy against its kind, every rule between
+// kinds, the capabilities the loops read, and the policies written from their concept files alone. Nothing
+// runs: this file compiling is the test. Each row says what it checks; the reference is the table in the
+// concept file or volt/rules.hpp that the row's comment names.
+
+#include "../support/concept_policies.hpp"
+
+#include <volt/volt.hpp>
+
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using volt::CPU;
+using volt::GPU;
+using Batch = torch::data::Example<>;
+
+// ---- each kind (strategies/, precision/, accelerators/, launchers/ concept.hpp) ----------------------------
+static_assert(volt::Strategy<volt::SingleDevice>);
+static_assert(volt::Strategy<volt::DDP<volt::Script>>);
+static_assert(volt::Strategy<volt::DDP<volt::Spawn>>);
+static_assert(volt::Strategy<volt::DDP<volt::Script, volt::Mpi>>);
+static_assert(volt::Strategy<volt::DDP<volt::Spawn, volt::Nccl>>);
+static_assert(volt::Strategy<volt::ManualParallel<volt::Script>>);
+static_assert(volt::Strategy<volt::ManualParallel<volt::Spawn, volt::Mpi>>);
+static_assert(volt::Strategy<vt::CountingStrategy>);  // written from strategies/concept.hpp alone
+static_assert(!volt::Strategy<volt::Fp32>);
+static_assert(!volt::Strategy<volt::CPU>);
+static_assert(!volt::Strategy<volt::Script>);
+
+static_assert(volt::Precision<volt::Fp32>);
+static_assert(volt::Precision<volt::Fp64True>);
+static_assert(volt::Precision<volt::Bf16Mixed>);
+static_assert(volt::Precision<volt::Fp16Mixed>);
+static_assert(volt::Precision<volt::Bf16True>);
+static_assert(!volt::Precision<volt::SingleDevice>);
+static_assert(!volt::Precision<volt::GPU>);
+
+static_assert(volt::Accelerator<CPU>);
+static_assert(volt::Accelerator<GPU>);
+static_assert(!volt::Accelerator<volt::Fp32>);
+static_assert(!volt::Accelerator<volt::SingleDevice>);
+
+static_assert(volt::Launcher<volt::Script>);
+static_assert(volt::Launcher<volt::Spawn>);
+static_assert(!volt::Launcher<volt::SingleDevice>);
+static_assert(!volt::Launcher<volt::Mpi>);
+
+static_assert(volt::Callback<volt::ProgressBar>);
+static_assert(volt::Callback<volt::ModelCheckpoint>);
+static_assert(volt::Callback<vt::EpochLossLog>);  // written from callbacks/concept.hpp alone
+static_assert(!volt::Callback<int&>);
+
+// ---- the rules between kinds (volt/rules.hpp) ---------------------------------------------------------------
+// a precision's autocast dtype exists on the accelerator
+static_assert(!volt::Fp16AutocastAvailable<volt::Fp16Mixed, CPU>);
+static_assert(volt::Fp16AutocastAvailable<volt::Fp16Mixed, GPU>);
+static_assert(volt::Bf16AutocastAvailable<volt::Bf16Mixed, CPU>);
+static_assert(volt::Bf16AutocastAvailable<volt::Bf16Mixed, GPU>);
+static_assert(volt::Fp16AutocastAvailable<volt::Fp32, CPU> && volt::Bf16AutocastAvailable<volt::Fp32, CPU>);
+static_assert(volt::Fp16AutocastAvailable<volt::Bf16True, CPU> && volt::Fp16AutocastAvailable<volt::Fp64True, CPU>);
+// a strategy's collective backend takes the accelerator's tensors (Nccl: CUDA only; Mpi: both, through host memory)
+static_assert(!volt::BackendRunsOn<volt::DDP<volt::Script, volt::Nccl>, CPU>);
+static_assert(volt::BackendRunsOn<volt::DDP<volt::Script, volt::Nccl>, GPU>);
+static_assert(volt::BackendRunsOn<volt::DDP<volt::Script, volt::Mpi>, CPU>);
+static_assert(volt::BackendRunsOn<volt::DDP<volt::Spawn, volt::Mpi>, GPU>);
+static_assert(!volt::BackendRunsOn<volt::ManualParallel<volt::Script, volt::Nccl>, CPU>);
+static_assert(volt::BackendRunsOn<volt::SingleDevice, CPU> && volt::BackendRunsOn<volt::SingleDevice, GPU>);
+static_assert(volt::BackendRunsOn<vt::CountingStrategy, CPU>);
+// the backend was compiled in (Nccl: only with the volt::nccl target)
+static_assert(volt::BackendCompiledIn<volt::DDP<volt::Script, volt::Nccl>> == (VOLT_WITH_NCCL != 0));
+static_assert(volt::BackendCompiledIn<volt::DDP<volt::Script, volt::Mpi>>);
+static_assert(volt::BackendCompiledIn<volt::SingleDevice>);
+// AutoBackend resolves by accelerator: Mpi on CPU, Nccl on GPU (strategies/ddp.hpp's with_accelerator)
+static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::DDP<volt::Spawn>, CPU>, volt::DDP<volt::Spawn, volt::Mpi>>);
+static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::DDP<volt::Script>, GPU>, volt::DDP<volt::Script, volt::Nccl>>);
+static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::ManualParallel<volt::Script>, CPU>,
+                             volt::ManualParallel<volt::Script, volt::Mpi>>);
+static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::SingleDevice, GPU>, volt::SingleDevice>);
+static_assert(std::is_same_v<volt::detail::bind_strategy_t<vt::CountingStrategy, CPU>, vt::CountingStrategy>);
+// a Trainer type's strategy_type is the bound one
+static_assert(std::is_same_v<volt::Trainer<volt::DDP<volt::Spawn>, volt::Fp32, CPU>::strategy_type,
+                             volt::DDP<volt::Spawn, volt::Mpi>>);
+// the slots are asked first; the pairwise rules only when they hold (no cascades of errors)
+static_assert(volt::detail::slots_ok<volt::SingleDevice, volt::Fp32, CPU>);
+static_assert(!volt::detail::slots_ok<volt::Fp32, volt::SingleDevice, CPU>);
+
+// ---- capabilities the loops read ----------------------------------------------------------------------------
+// one file from rank zero holds the model only when every rank holds the same parameters (strategies/concept.hpp)
+static_assert(volt::SingleDevice::replicates_module && volt::DDP<volt::Script>::replicates_module);
+static_assert(!volt::ManualParallel<volt::Script>::replicates_module);
+static_assert(std::is_void_v<volt::SingleDevice::backend_type>);
+static_assert(std::is_same_v<volt::DDP<volt::Script, volt::Mpi>::backend_type, volt::Mpi>);
+// Script joins an outside mpirun/srun job, Spawn refuses one (launchers/concept.hpp)
+static_assert(volt::Script::joins_external_jobs && !volt::Spawn::joins_external_jobs);
+// metric-watching callbacks run after the module's on_train_epoch_end (callbacks/concept.hpp)
+static_assert(volt::monitors_metrics<volt::ModelCheckpoint> && volt::monitors_metrics<volt::EarlyStopping>);
+static_assert(!volt::monitors_metrics<volt::ProgressBar> && !volt::monitors_metrics<volt::CSVLogger>);
+static_assert(volt::monitors_metrics<vt::EpochLossLog>);
+// the precisions' flags (precision/concept.hpp)
+static_assert(volt::Bf16Mixed::needs_bf16_autocast && !volt::Bf16Mixed::converts_inputs);
+static_assert(volt::Fp16Mixed::needs_fp16_autocast);
+static_assert(volt::Bf16True::converts_inputs && volt::Bf16True::input_dtype == torch::kBFloat16);
+static_assert(volt::Fp64True::converts_inputs && volt::Fp64True::input_dtype == torch::kFloat64);
+static_assert(!volt::Fp32::converts_inputs && !volt::Fp32::needs_bf16_autocast && !volt::Fp32::needs_fp16_autocast);
+// the loaders' capabilities (data/concept.hpp)
+static_assert(volt::data::SizedLoader<volt::data::TensorLoader> && volt::data::ShardableLoader<volt::data::TensorLoader>);
+static_assert(volt::data::PositionedLoader<volt::data::TensorLoader>);
+static_assert(volt::data::SizedLoader<std::vector<Batch>> && !volt::data::PositionedLoader<std::vector<Batch>>);
+static_assert(!volt::data::ShardableLoader<std::vector<Batch>>);
+static_assert(std::is_same_v<volt::detail::batch_t<std::vector<Batch>>, Batch>);
+static_assert(std::is_same_v<volt::detail::batch_t<std::unique_ptr<std::vector<Batch>>>, Batch>);
+// the batch types volt can look inside (batch.hpp)
+static_assert(volt::MappableBatch<Batch> && volt::MappableBatch<torch::Tensor>);
+static_assert(volt::MappableBatch<std::vector<torch::Tensor>>);
+static_assert(volt::MappableBatch<int> && volt::MappableBatch<std::string>);  // leaves, left alone
+struct NoTraits {
+  torch::Tensor x;
+};
+static_assert(!volt::MappableBatch<NoTraits> && !volt::MappableBatch<std::vector<NoTraits>>);
+
+// ---- a Trainer over the concept-only policies is a complete type with the API callbacks use ----------------
+using ConceptTrainer = volt::Trainer<vt::CountingStrategy, volt::Fp32, CPU, vt::EpochLossLog>;
+static_assert(std::is_same_v<ConceptTrainer::strategy_type, vt::CountingStrategy>);
+static_assert(requires(ConceptTrainer& t) {
+  t.current_epoch();
+  t.global_step();
+  t.callback_metric_values();
+  t.request_stop();
+  t.template callback<vt::EpochLossLog>();
+  t.save_checkpoint(std::string());
+});
+
+}  // namespace

@@ -1,0 +1,122 @@
+#pragma once
+// Small models, data and recorders shared by the test files; Catch-free, so process drivers and compile-only
+// tests can use them too (test/common.hpp adds Catch for the Catch test files).
+
+#include <torch/torch.h>
+#include <volt/volt.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace vt {
+
+/// y = x·w + b + noise, 4 features; deterministic for a seed.
+inline std::pair<torch::Tensor, torch::Tensor> regression_data(int64_t n, uint64_t seed = 7) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto x = torch::randn({n, 4}, gen);
+  auto w = torch::tensor({{1.5}, {-2.0}, {0.5}, {3.0}});
+  auto y = x.matmul(w) + 0.1 * torch::randn({n, 1}, gen) + 0.25;
+  return {x, y};
+}
+
+/// Mean squared error from basic ops (LibTorch 1.13 has no bfloat16 mse_loss kernel on CPU).
+inline torch::Tensor mse(const torch::Tensor& pred, const torch::Tensor& target) {
+  return (pred - target).pow(2).mean();
+}
+
+/// A linear regressor trained with plain SGD (no momentum), so updates are easy to reproduce by hand.
+struct RegressorImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  double lr;
+  explicit RegressorImpl(double lr_ = 0.05, uint64_t seed = 1) : lr(lr_) {
+    torch::manual_seed(seed);
+    lin = register_module("lin", torch::nn::Linear(4, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return lin(x); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    auto loss = mse(forward(b.data), b.target);
+    ctx.log("train_loss", loss);
+    return loss;
+  }
+  void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    ctx.log("val_loss", mse(forward(b.data), b.target));
+  }
+  void test_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    ctx.log("test_loss", mse(forward(b.data), b.target));
+  }
+  torch::Tensor predict_step(const torch::data::Example<>& b, volt::Context&) { return forward(b.data); }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(lr)); }
+};
+TORCH_MODULE(Regressor);
+
+/// Sample i is (x = [i, i], y = i): a batch says which samples it holds. A torch::data dataset.
+struct IndexDataset : torch::data::datasets::Dataset<IndexDataset> {
+  int64_t n;
+  explicit IndexDataset(int64_t n_) : n(n_) {}
+  torch::data::Example<> get(size_t i) override {
+    return {torch::full({2}, static_cast<float>(i)), torch::tensor(static_cast<int64_t>(i))};
+  }
+  c10::optional<size_t> size() const override { return static_cast<size_t>(n); }
+};
+
+/// Copies every parameter and buffer of `from` into `to` (same architecture).
+inline void copy_weights(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard g;
+  auto a = from.named_parameters(), b = to.named_parameters();
+  for (auto& p : a) b[p.key()].copy_(p.value());
+  auto ab = from.named_buffers(), bb = to.named_buffers();
+  for (auto& p : ab) bb[p.key()].copy_(p.value());
+}
+
+inline torch::Tensor flat_params(torch::nn::Module& m) {
+  std::vector<torch::Tensor> v;
+  for (auto& p : m.parameters()) v.push_back(p.detach().to(torch::kFloat64).flatten());
+  return torch::cat(v);
+}
+
+/// Records every hook it sees, to check order and counts.
+struct Recorder {
+  std::vector<std::string>* log;
+  int64_t train_batches = 0, val_batches = 0, sanity_batches = 0, val_runs = 0, train_epochs = 0;
+  void add(const std::string& s) {
+    if (log) log->push_back("cb:" + s);
+  }
+  void on_fit_start(auto&, auto&) { add("on_fit_start"); }
+  void on_fit_end(auto&, auto&) { add("on_fit_end"); }
+  void on_sanity_check_start(auto&, auto&) { add("on_sanity_check_start"); }
+  void on_sanity_check_end(auto&, auto&) { add("on_sanity_check_end"); }
+  void on_train_start(auto&, auto&) { add("on_train_start"); }
+  void on_train_end(auto&, auto&) { add("on_train_end"); }
+  void on_train_epoch_start(auto&, auto&) { add("on_train_epoch_start"); }
+  void on_train_epoch_end(auto&, auto&) {
+    add("on_train_epoch_end");
+    ++train_epochs;
+  }
+  void on_train_batch_start(auto&, auto&, const auto&, int64_t) { add("on_train_batch_start"); }
+  void on_train_batch_end(auto&, auto&, const torch::Tensor&, const auto&, int64_t) {
+    add("on_train_batch_end");
+    ++train_batches;
+  }
+  void on_validation_start(auto&, auto&) { add("on_validation_start"); }
+  void on_validation_end(auto& t, auto&) {
+    add("on_validation_end");
+    if (!t.sanity_checking()) ++val_runs;
+  }
+  void on_validation_epoch_start(auto&, auto&) { add("on_validation_epoch_start"); }
+  void on_validation_epoch_end(auto&, auto&) { add("on_validation_epoch_end"); }
+  void on_validation_batch_start(auto&, auto&, const auto&, int64_t) { add("on_validation_batch_start"); }
+  void on_validation_batch_end(auto& t, auto&, const auto&, const auto&, int64_t) {
+    add("on_validation_batch_end");
+    (t.sanity_checking() ? sanity_batches : val_batches)++;
+  }
+  void on_before_zero_grad(auto&, auto&, torch::optim::Optimizer&) { add("on_before_zero_grad"); }
+  void on_before_backward(auto&, auto&, const torch::Tensor&) { add("on_before_backward"); }
+  void on_after_backward(auto&, auto&) { add("on_after_backward"); }
+  void on_before_optimizer_step(auto&, auto&, torch::optim::Optimizer&) { add("on_before_optimizer_step"); }
+};
+
+}  // namespace vt

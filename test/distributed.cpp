@@ -360,42 +360,65 @@ int gpu_ddp_scenario() {
 
 }  // namespace
 
+namespace {
+
+/// The scenarios, by the name the command line (and so each CTest entry, `dist.<name>.*` and `gpu.ddp_*`) gives.
+struct Mode {
+  const char* name;
+  const char* arguments;
+  int (*run)(const std::vector<std::string>& a);  // a[0] is the name
+};
+bool spawn_given(const std::vector<std::string>& a) { return a.size() > 1 && a[1] == "spawn"; }
+const Mode kModes[] = {
+    {"fit", "<script|spawn> [--accumulate k]: DDP on 2 ranks against one process's hand-written loop",
+     [](const std::vector<std::string>& a) {
+       const int k = a.size() > 3 && a[2] == "--accumulate" ? std::stoi(a[3]) : 1;
+       return spawn_given(a) ? fit_scenario<volt::Spawn>(k) : fit_scenario<volt::Script>(k);
+     }},
+    {"indices", "<script|spawn> n: every sample once per epoch across ranks (padded as DistributedSampler)",
+     [](const std::vector<std::string>& a) {
+       const int64_t n = std::stoll(a.at(2));
+       return spawn_given(a) ? indices_scenario<volt::Spawn>(n) : indices_scenario<volt::Script>(n);
+     }},
+    {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
+    {"gpu-ddp", "<script|spawn>: DDP over NCCL at world size 1 against SingleDevice on the GPU",
+     [](const std::vector<std::string>& a) {
+       return spawn_given(a) ? gpu_ddp_scenario<volt::Spawn>() : gpu_ddp_scenario<volt::Script>();
+     }},
+    {"fail", "<script|spawn> rank step: that rank throws at that step", [](const std::vector<std::string>& a) {
+       const int rank = std::stoi(a.at(2)), step = std::stoi(a.at(3));
+       return spawn_given(a) ? fail_scenario<volt::Spawn>(rank, step) : fail_scenario<volt::Script>(rank, step);
+     }},
+    {"expect-failure", "timeout message -- command...: the command ends within timeout, with message, leaving no process",
+     [](const std::vector<std::string>& a) {
+       const double timeout = std::stod(a.at(1));
+       const std::string message = a.at(2);
+       std::vector<std::string> cmd(a.begin() + 4, a.end());
+       const std::string token = "volt_fail_token_" + std::to_string(::getpid());
+       cmd.push_back(token);  // ignored by the scenario, found in /proc afterwards
+       return expect_failure(timeout, message, cmd, token);
+     }},
+};
+
+int usage(const std::string& given) {
+  std::cerr << (given.empty() ? std::string("no scenario given") : "unknown scenario " + given) << "; the scenarios:\n";
+  for (const Mode& m : kModes) std::cerr << "  distributed " << m.name << " " << m.arguments << "\n";
+  return 2;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   at::set_num_threads(1);  // one intra-op thread per rank: 2 ranks on 2 cores
-  std::vector<std::string> a(argv + 1, argv + argc);
-  if (a.empty()) {
-    std::cerr << "usage: see the top of test/distributed.cpp" << std::endl;
-    return 2;
-  }
+  const std::vector<std::string> a(argv + 1, argv + argc);
+  if (a.empty()) return usage("");
   try {
-    const std::string& what = a[0];
-    const bool spawn = a.size() > 1 && a[1] == "spawn";
-    if (what == "fit") {
-      const int k = a.size() > 3 && a[2] == "--accumulate" ? std::stoi(a[3]) : 1;
-      return spawn ? fit_scenario<volt::Spawn>(k) : fit_scenario<volt::Script>(k);
-    }
-    if (what == "indices") {
-      const int64_t n = std::stoll(a.at(2));
-      return spawn ? indices_scenario<volt::Spawn>(n) : indices_scenario<volt::Script>(n);
-    }
-    if (what == "metrics") return metrics_scenario();
-    if (what == "gpu-ddp") return spawn ? gpu_ddp_scenario<volt::Spawn>() : gpu_ddp_scenario<volt::Script>();
-    if (what == "fail") {
-      const int rank = std::stoi(a.at(2)), step = std::stoi(a.at(3));
-      return spawn ? fail_scenario<volt::Spawn>(rank, step) : fail_scenario<volt::Script>(rank, step);
-    }
-    if (what == "expect-failure") {
-      const double timeout = std::stod(a.at(1));
-      const std::string message = a.at(2);
-      std::vector<std::string> cmd(a.begin() + 4, a.end());
-      const std::string token = "volt_fail_token_" + std::to_string(::getpid());
-      cmd.push_back(token);  // ignored by the scenario, found in /proc afterwards
-      return expect_failure(timeout, message, cmd, token);
+    for (const Mode& m : kModes) {
+      if (a[0] == m.name) return m.run(a);
     }
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;
   }
-  std::cerr << "unknown scenario " << a[0] << std::endl;
-  return 2;
+  return usage(a[0]);
 }

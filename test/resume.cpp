@@ -329,7 +329,7 @@ int ddp_exact(const std::string& dir, const std::vector<std::string>& mpirun) {
     fail(mid_window + " holds no accumulated gradients; it was meant to be saved inside an accumulation window");
   }
   int n = 0;
-  for (const std::string from : {dir + "/a/step=2.ckpt", dir + "/a/step=4.ckpt", mid_window}) {
+  for (const std::string& from : {dir + "/a/step=2.ckpt", dir + "/a/step=4.ckpt", mid_window}) {
     const std::string out = dir + "/out" + std::to_string(n) + ".ckpt";
     if (job({"ddp-fit", dir + "/b" + std::to_string(n++), out, from}) != 0) fail("the resumed 2-rank run failed");
     std::string why;
@@ -475,23 +475,58 @@ std::vector<std::string> after_dashes(int argc, char** argv) {
 
 }  // namespace
 
+namespace {
+
+/// The modes, by the name the command line (and so each CTest entry, `resume.<mode>`) gives: the driver modes
+/// CTest runs, then the worker modes they start. `min_args` counts the words after the program's name.
+struct Mode {
+  const char* name;
+  std::size_t min_args;
+  const char* arguments;
+  int (*run)(const std::vector<std::string>& a, int argc, char** argv);  // a[0] is the program
+};
+const Mode kModes[] = {
+    {"sigkill", 2, "<dir> [rounds]", [](const std::vector<std::string>& a, int, char**) {
+       return sigkill(a[2], a.size() > 3 ? std::stoi(a[3]) : 3);
+     }},
+    {"kill-mid-write", 2, "<dir> [rounds]", [](const std::vector<std::string>& a, int, char**) {
+       return kill_mid_write(a[2], a.size() > 3 ? std::stoi(a[3]) : 8);
+     }},
+    {"ddp-exact", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
+       return ddp_exact(a[2], after_dashes(argc, argv));
+     }},
+    {"spawn-exact", 2, "<dir>", [](const std::vector<std::string>& a, int, char**) { return spawn_exact(a[2]); }},
+    {"n-to-m", 4, "<from> <to> <dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
+       return n_to_m(std::stoi(a[2]), std::stoi(a[3]), a[4], after_dashes(argc, argv));
+     }},
+    {"export", 2, "<dir>", [](const std::vector<std::string>& a, int, char**) { return export_for_python(a[2]); }},
+    // workers
+    {"train", 3, "<dir> <out> [--resume]", [](const std::vector<std::string>& a, int, char**) {
+       return train(a[2], a[3], a.size() > 4 && a[4] == "--resume");
+     }},
+    {"writer", 2, "<path>", [](const std::vector<std::string>& a, int, char**) { return writer(a[2]); }},
+    {"ddp-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
+       return two_rank_fit<volt::Script>(a[2], a[3], a.size() > 4 ? a[4] : "");
+     }},
+    {"spawn-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
+       return two_rank_fit<volt::Spawn>(a[2], a[3], a.size() > 4 ? a[4] : "");
+     }},
+    {"index-fit", 5, "<ranks> <dir> <record> <max_steps> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
+       return index_fit(std::stoi(a[2]), a[3], a[4], std::stoll(a[5]), a.size() > 6 ? a[6] : "");
+     }},
+};
+
+}  // namespace
+
 int main(int argc, char** argv) try {
   const std::vector<std::string> a(argv, argv + argc);
   const std::string mode = a.size() > 1 ? a[1] : "";
-  if (mode == "train" && a.size() >= 4) return train(a[2], a[3], a.size() > 4 && a[4] == "--resume");
-  if (mode == "sigkill" && a.size() >= 3) return sigkill(a[2], a.size() > 3 ? std::stoi(a[3]) : 3);
-  if (mode == "writer" && a.size() >= 3) return writer(a[2]);
-  if (mode == "kill-mid-write" && a.size() >= 3) return kill_mid_write(a[2], a.size() > 3 ? std::stoi(a[3]) : 8);
-  if (mode == "ddp-fit" && a.size() >= 4) return two_rank_fit<volt::Script>(a[2], a[3], a.size() > 4 ? a[4] : "");
-  if (mode == "ddp-exact" && a.size() >= 3) return ddp_exact(a[2], after_dashes(argc, argv));
-  if (mode == "spawn-fit" && a.size() >= 4) return two_rank_fit<volt::Spawn>(a[2], a[3], a.size() > 4 ? a[4] : "");
-  if (mode == "spawn-exact" && a.size() >= 3) return spawn_exact(a[2]);
-  if (mode == "index-fit" && a.size() >= 6) {
-    return index_fit(std::stoi(a[2]), a[3], a[4], std::stoll(a[5]), a.size() > 6 ? a[6] : "");
+  for (const Mode& m : kModes) {
+    if (mode == m.name && a.size() >= m.min_args + 1) return m.run(a, argc, argv);
   }
-  if (mode == "n-to-m" && a.size() >= 5) return n_to_m(std::stoi(a[2]), std::stoi(a[3]), a[4], after_dashes(argc, argv));
-  if (mode == "export" && a.size() >= 3) return export_for_python(a[2]);
-  std::cerr << "usage: see the top of test/resume.cpp\n";
+  std::cerr << "resume: " << (mode.empty() ? std::string("no mode given") : "mode \"" + mode + "\" with these arguments")
+            << " is not one of:\n";
+  for (const Mode& m : kModes) std::cerr << "  resume " << m.name << " " << m.arguments << "\n";
   return 2;
 } catch (const std::exception& e) {
   std::cerr << "resume: " << e.what() << "\n";

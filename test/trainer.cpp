@@ -11,14 +11,10 @@
 #include <unistd.h>
 
 using Catch::Matchers::Contains;
+using vt::make_loader;
 using vt::Regressor;
 
 namespace {
-
-volt::data::TensorLoader make_loader(const torch::Tensor& x, const torch::Tensor& y, int64_t bs, bool shuffle = false,
-                                     uint64_t seed = 0) {
-  return volt::data::TensorLoader(x, y, {.batch_size = bs, .shuffle = shuffle, .seed = seed});
-}
 
 /// The reference: a hand-written LibTorch loop, SGD over the loader's batches in order.
 void hand_loop(vt::RegressorImpl& m, const volt::data::TensorLoader& loader, int epochs) {
@@ -45,70 +41,6 @@ TEST_CASE("Fp32 SingleDevice fit equals a hand-written LibTorch loop", "[trainer
   CHECK(trainer.global_step() == 18);
   CHECK(trainer.current_epoch() == 3);
   CHECK(torch::allclose(vt::flat_params(*a), vt::flat_params(*b), 1e-6, 1e-7));
-}
-
-namespace {
-template <class P>
-double final_loss_after_fit() {
-  auto [x, y] = vt::regression_data(128);
-  auto loader = make_loader(x, y, 32, /*shuffle=*/true, 3);
-  Regressor m(0.05);
-  const double before = vt::mse(m->forward(x), y).item<double>();
-  volt::Trainer<volt::SingleDevice, P, volt::CPU> trainer({.max_epochs = 5, .seed = 1});
-  trainer.fit(m, loader);
-  // Measured in float64 outside the trainer, whatever dtype the module ended in.
-  torch::NoGradGuard g;
-  auto pred = m->forward(x.to(m->lin->weight.scalar_type())).to(torch::kFloat64);
-  const double after = vt::mse(pred, y.to(torch::kFloat64)).item<double>();
-  INFO(P::name << ": loss before " << before << ", after " << after);
-  CHECK(after < 0.25 * before);
-  return after;
-}
-}  // namespace
-
-TEST_CASE("every precision that runs on CPU trains to a lower loss", "[trainer]") {
-  SECTION("Fp32") { final_loss_after_fit<volt::Fp32>(); }
-  SECTION("Fp64True") { final_loss_after_fit<volt::Fp64True>(); }
-  SECTION("Bf16Mixed") { final_loss_after_fit<volt::Bf16Mixed>(); }
-  SECTION("Bf16True") { final_loss_after_fit<volt::Bf16True>(); }
-}
-
-TEST_CASE("precisions put the module and the math in their dtypes", "[trainer]") {
-  auto [x, y] = vt::regression_data(32);
-  auto loader = make_loader(x, y, 16);
-  struct Probe : vt::RegressorImpl {
-    torch::Dtype seen_input = torch::kFloat32, seen_output = torch::kFloat32;
-    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
-      seen_input = b.data.scalar_type();
-      auto out = forward(b.data);
-      seen_output = out.scalar_type();
-      return vt::mse(out.to(torch::kFloat32), b.target.to(torch::kFloat32));
-    }
-  };
-  SECTION("Fp64True: double module and inputs") {
-    Probe m;
-    volt::Trainer<volt::SingleDevice, volt::Fp64True> t({.max_epochs = 1});
-    t.fit(m, loader);
-    CHECK(m.lin->weight.scalar_type() == torch::kFloat64);
-    CHECK(m.seen_input == torch::kFloat64);
-  }
-  SECTION("Bf16Mixed: float32 weights, bfloat16 matmuls under autocast") {
-    Probe m;
-    volt::Trainer<volt::SingleDevice, volt::Bf16> t({.max_epochs = 1});
-    t.fit(m, loader);
-    CHECK(m.lin->weight.scalar_type() == torch::kFloat32);
-    CHECK(m.seen_input == torch::kFloat32);
-    CHECK(m.seen_output == torch::kBFloat16);
-    CHECK_FALSE(volt::detail::autocast_enabled(c10::DeviceType::CPU));  // the guard restored it
-  }
-  SECTION("Bf16True: bfloat16 module and inputs") {
-    Probe m;
-    volt::Trainer<volt::SingleDevice, volt::Bf16True> t({.max_epochs = 1});
-    t.fit(m, loader);
-    CHECK(m.lin->weight.scalar_type() == torch::kBFloat16);
-    CHECK(m.seen_input == torch::kBFloat16);
-    CHECK(c10::get_default_dtype() == caffe2::TypeMeta::Make<float>());  // restored after each step
-  }
 }
 
 TEST_CASE("accumulating k batches equals one batch k times larger", "[trainer]") {
@@ -540,97 +472,6 @@ TEST_CASE("a strategy and a callback written from their concept files alone trai
   CHECK(torch::equal(vt::flat_params(*resumed), vt::flat_params(*whole)));
   CHECK(again.callback<vt::EpochLossLog>().losses == uninterrupted.callback<vt::EpochLossLog>().losses);
   std::filesystem::remove_all(dir);
-}
-
-TEST_CASE("EarlyStopping stops after patience checks without improvement", "[trainer][callbacks]") {
-  struct Scripted : vt::RegressorImpl {
-    std::vector<double> values{1.0, 0.9, 0.95, 0.96, 0.97, 0.5, 0.4};
-    int64_t epoch = 0;
-    void validation_step(const torch::data::Example<>&, volt::Context& ctx) {
-      ctx.log("score", values[static_cast<std::size_t>(ctx.current_epoch())]);
-    }
-  } m;
-  auto [x, y] = vt::regression_data(16);
-  auto loader = make_loader(x, y, 8);
-  auto t = volt::make_trainer({.max_epochs = 7, .num_sanity_val_steps = 0},
-                              volt::EarlyStopping({.monitor = "score", .patience = 2}));
-  t.fit(m, loader, loader);
-  // checks: 1.0 best, 0.9 best, 0.95 wait 1, 0.96 wait 2 -> stop after epoch 3
-  CHECK(t.current_epoch() == 4);
-  CHECK(t.callback<volt::EarlyStopping>().stopped_epoch() == 3);
-  CHECK(t.callback<volt::EarlyStopping>().best_score() == Approx(0.9));
-
-  SECTION("a missing monitored metric is an error naming it and what was logged") {
-    auto t2 = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
-                                 volt::EarlyStopping({.monitor = "nope"}));
-    Scripted m2;
-    CHECK_THROWS_WITH(t2.fit(m2, loader, loader), Contains("\"nope\"") && Contains("score"));
-  }
-  SECTION("min_epochs holds the stop back") {
-    Scripted m3;
-    auto t3 = volt::make_trainer({.max_epochs = 7, .min_epochs = 6, .num_sanity_val_steps = 0},
-                                 volt::EarlyStopping({.monitor = "score", .patience = 2}));
-    t3.fit(m3, loader, loader);
-    CHECK(t3.current_epoch() == 6);
-  }
-}
-
-TEST_CASE("LR schedulers step per epoch or per step; LearningRateMonitor and CSVLogger record them", "[trainer][callbacks]") {
-  const auto dir = std::filesystem::temp_directory_path() / ("volt_test_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  struct Sched : vt::RegressorImpl {
-    volt::Interval interval = volt::Interval::epoch;
-    volt::OptimizerConfig configure_optimizers() {
-      auto opt = std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.08));
-      return {.optimizer = opt, .scheduler = std::make_shared<torch::optim::StepLR>(*opt, 1, 0.5), .interval = interval};
-    }
-  };
-  auto [x, y] = vt::regression_data(32);
-  auto loader = make_loader(x, y, 8);  // 4 batches
-  SECTION("per epoch") {
-    Sched m;
-    auto t = volt::make_trainer({.max_epochs = 3, .log_every_n_steps = 2, .default_root_dir = dir.string()},
-                                volt::LearningRateMonitor{}, volt::CSVLogger{});
-    t.fit(m, loader);
-    // LibTorch's StepLR counts its first step() as step 0 (PyTorch's constructor takes that step), so 3 epoch-end
-    // steps decay twice: 0.08 -> 0.08 -> 0.04 -> 0.02, as the same scheduler in a hand-written LibTorch loop.
-    CHECK(t.optimizer()->param_groups()[0].options().get_lr() == Approx(0.02));
-    CHECK(*t.callback<volt::LearningRateMonitor>().last_lr() == Approx(0.04));  // recorded at the start of epoch 2
-    const auto file = t.callback<volt::CSVLogger>().metrics_file();
-    REQUIRE(std::filesystem::exists(file));
-    std::ifstream f(file);
-    std::string header;
-    std::getline(f, header);
-    CHECK_THAT(header, Contains("train_loss") && Contains("lr-SGD") && Contains("epoch") && Contains("step"));
-    int rows = 0;
-    for (std::string line; std::getline(f, line);) ++rows;
-    CHECK(rows == 3 + 6);  // 3 LR records + 12 steps / log_every_n_steps=2
-  }
-  SECTION("per step") {
-    Sched m;
-    m.interval = volt::Interval::step;
-    volt::Trainer<> t({.max_epochs = 1});
-    t.fit(m, loader);
-    CHECK(t.optimizer()->param_groups()[0].options().get_lr() == Approx(0.08 / 8));  // 4 steps, 3 decays (see above)
-  }
-  std::filesystem::remove_all(dir);
-}
-
-TEST_CASE("ProgressBar draws step/total and metrics on rank zero", "[trainer][callbacks]") {
-  std::ostringstream out;
-  auto [x, y] = vt::regression_data(40);
-  auto loader = make_loader(x, y, 4);
-  struct Bar : vt::RegressorImpl {
-    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
-      auto loss = vt::mse(forward(b.data), b.target);
-      ctx.log("loss", loss, {.prog_bar = true});
-      return loss;
-    }
-  } m;
-  auto t = volt::make_trainer({.max_epochs = 1}, volt::ProgressBar({.out = &out, .plain = true}));
-  t.fit(m, loader);
-  const std::string text = out.str();
-  CHECK_THAT(text, Contains("Epoch 0/0") && Contains("10/10") && Contains("it/s") && Contains("loss="));
 }
 
 TEST_CASE("run-time settings are checked before anything runs", "[trainer][config]") {

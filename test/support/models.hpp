@@ -5,7 +5,10 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -118,5 +121,59 @@ struct Recorder {
   void on_after_backward(auto&, auto&) { add("on_after_backward"); }
   void on_before_optimizer_step(auto&, auto&, torch::optim::Optimizer&) { add("on_before_optimizer_step"); }
 };
+
+// ---- loaders and files ---------------------------------------------------------------------------------------
+
+/// A TensorLoader over (x, y) with the given batch size, shuffle and seed.
+inline volt::data::TensorLoader make_loader(const torch::Tensor& x, const torch::Tensor& y, int64_t bs,
+                                            bool shuffle = false, uint64_t seed = 0) {
+  return volt::data::TensorLoader(x, y, {.batch_size = bs, .shuffle = shuffle, .seed = seed});
+}
+
+/// A fresh, empty folder under the system's temporary folder.
+inline std::filesystem::path scratch(const std::string& name) {
+  const std::filesystem::path p =
+      std::filesystem::temp_directory_path() / ("volt_ckpt_test_" + std::to_string(::getpid())) / name;
+  std::filesystem::remove_all(p);
+  std::filesystem::create_directories(p);
+  return p;
+}
+
+/// The sample indices (targets) of up to `batches` batches (-1: to the end) of a pass of `loader`.
+template <class L>
+std::vector<int64_t> take(L& loader, int64_t batches = -1) {
+  std::vector<int64_t> out;
+  for (auto it = loader.begin(); it != loader.end() && batches != 0; ++it, --batches) {
+    auto b = *it;
+    const torch::Tensor t = b.target.flatten();
+    for (int64_t i = 0; i < t.size(0); ++i) out.push_back(t[i].template item<int64_t>());
+  }
+  return out;
+}
+
+inline std::vector<int64_t> cat(std::vector<int64_t> a, const std::vector<int64_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+inline volt::data::TensorLoader index_loader(int64_t n, volt::data::LoaderOptions o) {
+  return volt::data::TensorLoader(torch::arange(n, torch::kFloat32).unsqueeze(1), torch::arange(n), o);
+}
+
+inline auto index_dataset_loader(int64_t n, volt::data::LoaderOptions o) {
+  return volt::data::DatasetLoader(vt::IndexDataset(n).map(torch::data::transforms::Stack<>()), o);
+}
+
+inline bool same_weights(torch::nn::Module& a, torch::nn::Module& b) {
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  for (const auto& p : pa) {
+    if (!torch::equal(p.value(), pb[p.key()])) return false;
+  }
+  auto ba = a.named_buffers(), bb = b.named_buffers();
+  for (const auto& p : ba) {
+    if (!torch::equal(p.value(), bb[p.key()])) return false;
+  }
+  return true;
+}
 
 }  // namespace vt

@@ -1,0 +1,258 @@
+// The shipped callbacks in whole fits: EarlyStopping, LR schedulers with LearningRateMonitor and CSVLogger,
+// ProgressBar, ModelCheckpoint (top k, every n, file names), and callback state across a resume.
+
+#include "common.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+
+using Catch::Matchers::Contains;
+namespace fs = std::filesystem;
+using vt::Regressor;
+using vt::cat;
+using vt::index_dataset_loader;
+using vt::index_loader;
+using vt::make_loader;
+using vt::same_weights;
+using vt::scratch;
+using vt::take;
+
+TEST_CASE("EarlyStopping stops after patience checks without improvement", "[trainer][callbacks]") {
+  struct Scripted : vt::RegressorImpl {
+    std::vector<double> values{1.0, 0.9, 0.95, 0.96, 0.97, 0.5, 0.4};
+    int64_t epoch = 0;
+    void validation_step(const torch::data::Example<>&, volt::Context& ctx) {
+      ctx.log("score", values[static_cast<std::size_t>(ctx.current_epoch())]);
+    }
+  } m;
+  auto [x, y] = vt::regression_data(16);
+  auto loader = make_loader(x, y, 8);
+  auto t = volt::make_trainer({.max_epochs = 7, .num_sanity_val_steps = 0},
+                              volt::EarlyStopping({.monitor = "score", .patience = 2}));
+  t.fit(m, loader, loader);
+  // checks: 1.0 best, 0.9 best, 0.95 wait 1, 0.96 wait 2 -> stop after epoch 3
+  CHECK(t.current_epoch() == 4);
+  CHECK(t.callback<volt::EarlyStopping>().stopped_epoch() == 3);
+  CHECK(t.callback<volt::EarlyStopping>().best_score() == Approx(0.9));
+
+  SECTION("a missing monitored metric is an error naming it and what was logged") {
+    auto t2 = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
+                                 volt::EarlyStopping({.monitor = "nope"}));
+    Scripted m2;
+    CHECK_THROWS_WITH(t2.fit(m2, loader, loader), Contains("\"nope\"") && Contains("score"));
+  }
+  SECTION("min_epochs holds the stop back") {
+    Scripted m3;
+    auto t3 = volt::make_trainer({.max_epochs = 7, .min_epochs = 6, .num_sanity_val_steps = 0},
+                                 volt::EarlyStopping({.monitor = "score", .patience = 2}));
+    t3.fit(m3, loader, loader);
+    CHECK(t3.current_epoch() == 6);
+  }
+}
+
+TEST_CASE("LR schedulers step per epoch or per step; LearningRateMonitor and CSVLogger record them", "[trainer][callbacks]") {
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_test_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  struct Sched : vt::RegressorImpl {
+    volt::Interval interval = volt::Interval::epoch;
+    volt::OptimizerConfig configure_optimizers() {
+      auto opt = std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.08));
+      return {.optimizer = opt, .scheduler = std::make_shared<torch::optim::StepLR>(*opt, 1, 0.5), .interval = interval};
+    }
+  };
+  auto [x, y] = vt::regression_data(32);
+  auto loader = make_loader(x, y, 8);  // 4 batches
+  SECTION("per epoch") {
+    Sched m;
+    auto t = volt::make_trainer({.max_epochs = 3, .log_every_n_steps = 2, .default_root_dir = dir.string()},
+                                volt::LearningRateMonitor{}, volt::CSVLogger{});
+    t.fit(m, loader);
+    // LibTorch's StepLR counts its first step() as step 0 (PyTorch's constructor takes that step), so 3 epoch-end
+    // steps decay twice: 0.08 -> 0.08 -> 0.04 -> 0.02, as the same scheduler in a hand-written LibTorch loop.
+    CHECK(t.optimizer()->param_groups()[0].options().get_lr() == Approx(0.02));
+    CHECK(*t.callback<volt::LearningRateMonitor>().last_lr() == Approx(0.04));  // recorded at the start of epoch 2
+    const auto file = t.callback<volt::CSVLogger>().metrics_file();
+    REQUIRE(std::filesystem::exists(file));
+    std::ifstream f(file);
+    std::string header;
+    std::getline(f, header);
+    CHECK_THAT(header, Contains("train_loss") && Contains("lr-SGD") && Contains("epoch") && Contains("step"));
+    int rows = 0;
+    for (std::string line; std::getline(f, line);) ++rows;
+    CHECK(rows == 3 + 6);  // 3 LR records + 12 steps / log_every_n_steps=2
+  }
+  SECTION("per step") {
+    Sched m;
+    m.interval = volt::Interval::step;
+    volt::Trainer<> t({.max_epochs = 1});
+    t.fit(m, loader);
+    CHECK(t.optimizer()->param_groups()[0].options().get_lr() == Approx(0.08 / 8));  // 4 steps, 3 decays (see above)
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("ProgressBar draws step/total and metrics on rank zero", "[trainer][callbacks]") {
+  std::ostringstream out;
+  auto [x, y] = vt::regression_data(40);
+  auto loader = make_loader(x, y, 4);
+  struct Bar : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      auto loss = vt::mse(forward(b.data), b.target);
+      ctx.log("loss", loss, {.prog_bar = true});
+      return loss;
+    }
+  } m;
+  auto t = volt::make_trainer({.max_epochs = 1}, volt::ProgressBar({.out = &out, .plain = true}));
+  t.fit(m, loader);
+  const std::string text = out.str();
+  CHECK_THAT(text, Contains("Epoch 0/0") && Contains("10/10") && Contains("it/s") && Contains("loss="));
+}
+
+// ---- ModelCheckpoint -------------------------------------------------------------------------------------
+
+namespace {
+/// Logs a scripted "score" at each validation run (epoch e: scores[e]) and the training loss.
+struct ScriptedImpl : vt::RegressorImpl {
+  std::vector<double> scores;
+  explicit ScriptedImpl(std::vector<double> s) : scores(std::move(s)) {}
+  void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    ctx.log("score", scores.at(static_cast<std::size_t>(ctx.current_epoch())));
+    ctx.log("val_loss", vt::mse(forward(b.data), b.target));
+  }
+};
+TORCH_MODULE(Scripted);
+
+std::set<std::string> files_in(const fs::path& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("ModelCheckpoint keeps the top k by the monitored value and deletes the rest", "[checkpoint][model_checkpoint]") {
+  const fs::path dir = scratch("topk");
+  auto [x, y] = vt::regression_data(16);
+  Scripted model(std::vector<double>{5, 3, 4, 1, 2, 6});
+  auto trainer = volt::make_trainer({.max_epochs = 6, .num_sanity_val_steps = 0},
+                                    volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{epoch}-{score:.1f}",
+                                                           .monitor = "score", .save_top_k = 2, .save_last = true}));
+  trainer.fit(model, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::data::TensorLoader(x, y, {.batch_size = 8}));
+  CHECK(files_in(dir) == std::set<std::string>{"epoch=3-score=1.0.ckpt", "epoch=4-score=2.0.ckpt", "last.ckpt"});
+  const auto& cb = trainer.callback<volt::ModelCheckpoint>();
+  CHECK(cb.best_model_path() == (dir / "epoch=3-score=1.0.ckpt").string());
+  CHECK(cb.best_model_score() == 1.0);
+  CHECK(trainer.best_model_path() == cb.best_model_path());
+  const auto last = volt::checkpoint::read((dir / "last.ckpt").string());
+  CHECK(last.at("loops").toGenericDict().at("global_step").toInt() == 12);
+  const auto state = last.at("callbacks").toGenericDict().at(cb.state_key()).toGenericDict();
+  CHECK(state.at("best_model_path").toStringRef() == cb.best_model_path());
+  CHECK(state.at("best_k_models").toGenericDict().size() == 2);
+  // the file of the best epoch holds that epoch's weights: its step is 2 per epoch
+  CHECK(volt::checkpoint::read(cb.best_model_path()).at("loops").toGenericDict().at("global_step").toInt() == 8);
+
+  SECTION("mode max, and a new process finds the best through the last checkpoint") {
+    auto t2 = volt::make_trainer({.max_epochs = 6},
+                                 volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{epoch}-{score:.1f}",
+                                                        .monitor = "score", .save_top_k = 2, .save_last = true}));
+    Scripted m2(std::vector<double>{5, 3, 4, 1, 2, 6});
+    // fit from "best": epoch 3's checkpoint; two more epochs (4, 5) remain
+    t2.fit(m2, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::data::TensorLoader(x, y, {.batch_size = 8}), "best");
+    CHECK(t2.global_step() == 12);
+  }
+  SECTION("mode max") {
+    const fs::path d2 = scratch("topk_max");
+    Scripted m3(std::vector<double>{5, 3, 4, 1, 2, 6});
+    auto t3 = volt::make_trainer({.max_epochs = 6},
+                                 volt::ModelCheckpoint({.dirpath = d2.string(), .monitor = "score",
+                                                        .mode = volt::ModelCheckpoint::Mode::max, .save_top_k = 1}));
+    t3.fit(m3, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::data::TensorLoader(x, y, {.batch_size = 8}));
+    CHECK(files_in(d2) == std::set<std::string>{"epoch=5-step=12.ckpt"});
+  }
+}
+
+TEST_CASE("ModelCheckpoint saves every n steps or epochs, names files from a template, keeps one without a monitor",
+          "[checkpoint][model_checkpoint]") {
+  auto [x, y] = vt::regression_data(32);
+  SECTION("every 3 steps, all kept") {
+    const fs::path dir = scratch("steps");
+    vt::Regressor m;
+    auto t = volt::make_trainer({.max_epochs = 2},
+                                volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "s{step:03d}", .save_top_k = -1,
+                                                       .every_n_train_steps = 3, .auto_insert_metric_name = false}));
+    t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 4}));  // 16 steps
+    CHECK(files_in(dir) == std::set<std::string>{"s003.ckpt", "s006.ckpt", "s009.ckpt", "s012.ckpt", "s015.ckpt"});
+  }
+  SECTION("every 2 epochs; without a monitor only the latest stays") {
+    const fs::path dir = scratch("epochs");
+    vt::Regressor m;
+    auto t = volt::make_trainer({.max_epochs = 5},
+                                volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{epoch}-{train_loss:.3e}",
+                                                       .every_n_epochs = 2}));
+    t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8}));
+    const auto files = files_in(dir);
+    REQUIRE(files.size() == 1);
+    CHECK(files.begin()->rfind("epoch=3-train_loss=", 0) == 0);
+    CHECK(t.callback<volt::ModelCheckpoint>().best_model_path() == (dir / *files.begin()).string());
+  }
+  SECTION("a file of another run is not overwritten") {
+    const fs::path dir = scratch("versions");
+    std::ofstream(dir / "epoch=0-step=8.ckpt") << "someone else's";
+    vt::Regressor m;
+    auto t = volt::make_trainer({.max_epochs = 1}, volt::ModelCheckpoint({.dirpath = dir.string()}));
+    t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 4}));
+    CHECK(files_in(dir) == std::set<std::string>{"epoch=0-step=8.ckpt", "epoch=0-step=8-v1.ckpt"});
+  }
+  SECTION("bad options and unknown names") {
+    CHECK_THROWS_WITH(volt::ModelCheckpoint({.save_top_k = 3}), Contains("save_top_k=3") && Contains("monitor"));
+    CHECK_THROWS_WITH(volt::ModelCheckpoint({.save_top_k = -2}), Contains("save_top_k=-2"));
+    CHECK_THROWS_WITH(volt::ModelCheckpoint({.every_n_train_steps = 2, .every_n_epochs = 1}), Contains("choose one"));
+    const fs::path dir = scratch("unknown");
+    vt::Regressor m;
+    auto t = volt::make_trainer({.max_epochs = 1},
+                                volt::ModelCheckpoint({.dirpath = dir.string(), .monitor = "nope"}));
+    CHECK_THROWS_WITH(t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8})),
+                      Contains("\"nope\"") && Contains("train_loss"));
+    auto t2 = volt::make_trainer({.max_epochs = 1}, volt::ModelCheckpoint({.dirpath = dir.string()}));
+    vt::Regressor m2;
+    CHECK_THROWS_WITH(t2.fit(m2, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, "best"),
+                      Contains("no best checkpoint"));
+    volt::Trainer<> plain({.max_epochs = 1});
+    CHECK_THROWS_WITH(plain.fit(m2, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, "last"),
+                      Contains("ModelCheckpoint"));
+  }
+}
+
+// ---- callback state across a resume -------------------------------------------------------------------
+
+TEST_CASE("callback states with numbers (EarlyStopping) resume; \"last\" with no checkpoint yet starts afresh",
+          "[checkpoint]") {
+  const fs::path dir = scratch("early_stopping");
+  auto [x, y] = vt::regression_data(32);
+  auto make = [&] {
+    return volt::make_trainer({.max_epochs = 3},
+                              volt::EarlyStopping({.monitor = "train_loss", .mode = volt::EarlyStopping::Mode::max,
+                                                   .patience = 50}),
+                              volt::ModelCheckpoint({.dirpath = dir.string(), .save_last = true}));
+  };
+  vt::Regressor a;
+  auto t = make();
+  t.fit(a, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, "last");  // nothing yet: from the start
+  CHECK(t.global_step() == 12);
+  const auto& es = t.callback<volt::EarlyStopping>();
+  REQUIRE(es.wait_count() > 0);  // the loss falls, so "max" waits
+  const auto saved = volt::checkpoint::read((dir / "last.ckpt").string()).at("callbacks").toGenericDict();
+  CHECK(saved.at("volt::EarlyStopping").toGenericDict().at("wait_count").toDouble() == static_cast<double>(es.wait_count()));
+  vt::Regressor b;
+  auto t2 = volt::make_trainer({.max_epochs = 4},
+                               volt::EarlyStopping({.monitor = "train_loss", .mode = volt::EarlyStopping::Mode::max,
+                                                    .patience = 50}),
+                               volt::ModelCheckpoint({.dirpath = dir.string(), .save_last = true}));
+  t2.fit(b, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, "last");
+  CHECK(t2.global_step() == 16);  // one more epoch
+  CHECK(t2.callback<volt::EarlyStopping>().wait_count() == es.wait_count() + 1);
+  CHECK(t2.callback<volt::EarlyStopping>().best_score() == es.best_score());
+}

@@ -10,17 +10,6 @@
 #include <set>
 #include <sstream>
 
-using Catch::Matchers::Contains;
-namespace fs = std::filesystem;
-using vt::Regressor;
-using vt::cat;
-using vt::index_dataset_loader;
-using vt::index_loader;
-using vt::make_loader;
-using vt::same_weights;
-using vt::scratch;
-using vt::take;
-
 TEST_CASE("EarlyStopping stops after patience checks without improvement", "[trainer][callbacks]") {
   struct Scripted : vt::RegressorImpl {
     std::vector<double> values{1.0, 0.9, 0.95, 0.96, 0.97, 0.5, 0.4};

@@ -9,16 +9,6 @@
 #include <map>
 #include <set>
 
-using Catch::Matchers::Contains;
-namespace fs = std::filesystem;
-
-using vt::cat;
-using vt::index_dataset_loader;
-using vt::index_loader;
-using vt::same_weights;
-using vt::scratch;
-using vt::take;
-
 // ---- checkpoint files ----------------------------------------------------------------------------------
 
 namespace {

@@ -10,17 +10,6 @@
 #include <set>
 #include <sstream>
 
-using Catch::Matchers::Contains;
-namespace fs = std::filesystem;
-using vt::Regressor;
-using vt::cat;
-using vt::index_dataset_loader;
-using vt::index_loader;
-using vt::make_loader;
-using vt::same_weights;
-using vt::scratch;
-using vt::take;
-
 // ---- GradScaler -------------------------------------------------------------------------------------------
 
 namespace {

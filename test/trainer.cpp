@@ -10,10 +10,6 @@
 
 #include <unistd.h>
 
-using Catch::Matchers::Contains;
-using vt::make_loader;
-using vt::Regressor;
-
 namespace {
 
 /// The reference: a hand-written LibTorch loop, SGD over the loader's batches in order.

@@ -10,8 +10,6 @@
 #include <filesystem>
 #include <fstream>
 
-using Catch::Matchers::Contains;
-
 // ---- the C++ runtime ----------------------------------------------------------------------------------
 
 // pip's LibTorch exports a copy of std::filesystem whose remove_all jumps to address 0; volt::volt links

@@ -215,6 +215,98 @@ TEST_CASE("ModelCheckpoint saves every n steps or epochs, names files from a tem
   }
 }
 
+TEST_CASE("ModelCheckpoint deletes nothing outside its folder, nor the checkpoint it resumed from",
+          "[checkpoint][model_checkpoint]") {
+  // Run A writes its checkpoints into a.; run B, in a new folder, resumes from A's best and trains on: every file of
+  // A must still be there afterwards (Lightning prunes only inside its own dirpath).
+  auto [x, y] = vt::regression_data(16);
+  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = 8}); };
+  const std::vector<double> scores{5, 3, 4, 1, 2, 6, 0.5, 7};
+  struct Case {
+    const char* name;
+    volt::ModelCheckpoint::Options options;
+  };
+  for (const Case& c : {Case{"top1_default", {}}, Case{"top2_monitor", {.monitor = "score", .save_top_k = 2}},
+                        Case{"top1_monitor", {.monitor = "score"}}}) {
+    DYNAMIC_SECTION(c.name) {
+      const fs::path a = scratch(std::string("other_run_a_") + c.name), b = scratch(std::string("other_run_b_") + c.name);
+      Scripted ma(scores);
+      auto ta = volt::make_trainer({.max_epochs = 3, .num_sanity_val_steps = 0, .default_root_dir = a.string()},
+                                   volt::ModelCheckpoint(c.options));
+      ta.fit(ma, loader(), loader());
+      const auto a_files = files_in(a / "checkpoints");
+      REQUIRE(!a_files.empty());
+      const std::string a_best = ta.callback<volt::ModelCheckpoint>().best_model_path();
+      REQUIRE(fs::exists(a_best));
+
+      Scripted mb(scores);
+      auto tb = volt::make_trainer({.max_epochs = 8, .num_sanity_val_steps = 0, .default_root_dir = b.string()},
+                                   volt::ModelCheckpoint(c.options));
+      tb.fit(mb, loader(), loader(), a_best);
+      CHECK(tb.global_step() == 16);
+      CHECK(files_in(a / "checkpoints") == a_files);  // run A's files, untouched
+      CHECK(!files_in(b / "checkpoints").empty());
+      const std::string b_best = tb.callback<volt::ModelCheckpoint>().best_model_path();
+      CHECK(fs::path(b_best).parent_path() == b / "checkpoints");  // the best is one of its own by now
+      if (c.options.save_top_k == 2) CHECK(files_in(b / "checkpoints").size() == 2);
+    }
+  }
+  SECTION("in its own folder, the checkpoint it resumed from stays; the others it ranked out are deleted") {
+    const fs::path dir = scratch("resumed_from_kept");
+    Scripted m1(scores);
+    auto t1 = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
+                                 volt::ModelCheckpoint({.dirpath = dir.string()}));
+    t1.fit(m1, loader(), loader());
+    const std::string resumed = t1.callback<volt::ModelCheckpoint>().best_model_path();  // epoch=1-step=4
+    Scripted m2(scores);
+    auto t2 = volt::make_trainer({.max_epochs = 4, .num_sanity_val_steps = 0},
+                                 volt::ModelCheckpoint({.dirpath = dir.string()}));
+    t2.fit(m2, loader(), loader(), resumed);
+    CHECK(t2.ckpt_path() == resumed);
+    // top 1 without a monitor: epoch 2's file was replaced by epoch 3's; the resumed-from file stays
+    CHECK(files_in(dir) == std::set<std::string>{"epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt"});
+  }
+}
+
+TEST_CASE("ModelCheckpoint monitoring a validation metric warns, not fails, when it saves before the first validation",
+          "[checkpoint][model_checkpoint]") {
+  // The README's settings: monitor val_loss, save every n steps; validation runs at each epoch's end, after the
+  // first step-based saves.
+  auto [x, y] = vt::regression_data(32);
+  const fs::path dir = scratch("monitor_before_validation");
+  vt::Regressor m;
+  std::ostringstream err;
+  auto* old = std::cerr.rdbuf(err.rdbuf());
+  auto t = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
+                              volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{step}", .monitor = "val_loss",
+                                                     .save_top_k = -1, .every_n_train_steps = 3}));
+  try {
+    t.fit(m, make_loader(x, y, 8), make_loader(x, y, 8));  // 4 steps per epoch: saves at 3 (no validation yet), 6
+  } catch (...) {
+    std::cerr.rdbuf(old);
+    throw;
+  }
+  std::cerr.rdbuf(old);
+  CHECK_THAT(err.str(), Contains("\"val_loss\"") && Contains("warning until the fit's first validation"));
+  CHECK(t.validation_has_run());
+  // step 3 came before any validation: no ranked file; step 6 came after epoch 0's validation
+  CHECK(files_in(dir) == std::set<std::string>{"step=6.ckpt"});
+
+  SECTION("once a validation has run, a monitor that is still missing is an error") {
+    const fs::path d2 = scratch("monitor_misspelt");
+    vt::Regressor m2;
+    auto t2 = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
+                                 volt::ModelCheckpoint({.dirpath = d2.string(), .monitor = "val_los",
+                                                        .every_n_train_steps = 3}));
+    std::ostringstream quiet;
+    auto* o2 = std::cerr.rdbuf(quiet.rdbuf());
+    CHECK_THROWS_WITH(t2.fit(m2, make_loader(x, y, 8), make_loader(x, y, 8)),
+                      Contains("\"val_los\"") && Contains("val_loss"));
+    std::cerr.rdbuf(o2);
+    CHECK(t2.global_step() == 6);  // the warning at step 3, the error at step 6
+  }
+}
+
 // ---- callback state across a resume -------------------------------------------------------------------
 
 TEST_CASE("callback states with numbers (EarlyStopping) resume; \"last\" with no checkpoint yet starts afresh",

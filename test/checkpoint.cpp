@@ -8,6 +8,8 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <csignal>
+#include <algorithm>
 
 // ---- checkpoint files ----------------------------------------------------------------------------------
 
@@ -322,4 +324,109 @@ TEST_CASE("modules keep state of their own in checkpoints through on_save/on_loa
   CHECK_THROWS_WITH(t3.fit(c, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, (dir / "c.ckpt").string()),
                     Contains("refuses the checkpoint") && Contains("nothing was changed"));
   CHECK(same_weights(*c, *c_before));
+}
+
+// ---- stop signals ---------------------------------------------------------------------------------------
+
+namespace {
+/// Raises `signal` in this process from inside its training step at optimizer step `at` (-1: never).
+struct SignalledImpl : vt::RegressorImpl {
+  int64_t at = -1;
+  int signal = SIGTERM;
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    if (ctx.global_step() == at && ctx.stage() == volt::Stage::train) {
+      ::raise(signal);
+      at = -1;
+    }
+    return vt::RegressorImpl::training_step(b, ctx);
+  }
+};
+TORCH_MODULE(Signalled);
+
+/// The installed handler of `sig`.
+void (*handler_of(int sig))(int) {
+  struct sigaction now {};
+  ::sigaction(sig, nullptr, &now);
+  return now.sa_handler;
+}
+/// Records whether SIGTERM is ignored during a training batch.
+struct HandlerProbe {
+  bool* seen;
+  template <class T, class M, class B>
+  void on_train_batch_end(T&, M&, const torch::Tensor&, const B&, int64_t) {
+    *seen = handler_of(SIGTERM) == SIG_IGN;
+  }
+};
+}  // namespace
+
+TEST_CASE("a stop signal in a fit: a full checkpoint where \"last\" finds it, every row logged, an exact resume",
+          "[checkpoint][signals]") {
+  // A signal raised inside the training step of step k stops the fit at that batch's end. Reference: the same fit
+  // without a signal. (Other processes, mpirun, one rank and Spawn: test/resume.cpp's `signal` modes.)
+  auto [x, y] = vt::regression_data(64);
+  const volt::SignalOptions no_exit{.exit_process = false};
+  const int sig = GENERATE(SIGTERM, SIGINT, SIGUSR1);
+  const fs::path base = scratch("signal_" + std::to_string(sig));
+  auto trainer_in = [&](const fs::path& dir) {
+    return volt::make_trainer({.max_epochs = 3, .val_check_interval = 0.5, .log_every_n_steps = 1,
+                               .default_root_dir = dir.string(), .signals = no_exit},
+                              volt::ModelCheckpoint(), volt::CSVLogger({.name = "logs"}));
+  };
+  auto loader = [&] { return make_loader(x, y, 8, /*shuffle=*/true, 5); };  // 8 steps an epoch
+  // (validation in a fixed order: a shuffled one sums its mean in another order after the resume)
+  auto val = [&] { return make_loader(x, y, 8); };
+
+  Signalled ref;
+  auto tr = trainer_in(base / "ref");
+  tr.fit(ref, loader(), val());
+  REQUIRE(tr.global_step() == 24);
+
+  void (*before)(int) = handler_of(sig);
+  Signalled run;
+  run->at = 10;  // epoch 1's third batch, between its validations
+  run->signal = sig;
+  auto t1 = trainer_in(base / "run");
+  try {
+    t1.fit(run, loader(), val());
+    FAIL("fit returned although " << volt::cluster::signal_name(sig) << " was raised");
+  } catch (const volt::Interrupted& stop) {
+    CHECK(stop.signal() == sig);
+    CHECK(stop.exit_status() == 128 + sig);
+    CHECK(stop.checkpoint() == (base / "run" / "checkpoints" / "interrupted.ckpt").string());
+  }
+  CHECK(handler_of(sig) == before);  // the fit's handlers are gone with it
+  const auto saved = volt::checkpoint::read((base / "run" / "checkpoints" / "interrupted.ckpt").string());
+  CHECK(saved.at("loops").toGenericDict().at("global_step").toInt() == 11);  // the signalled batch ran to its end
+  // every row of the stopped part is in the file already: the reference's rows up to its last step (step 10)
+  const auto ref_rows = vt::csv_rows((base / "ref" / "logs" / "version_0" / "metrics.csv").string());
+  std::vector<std::map<std::string, std::string>> ref_first;
+  for (const auto& r : ref_rows) {
+    if (std::stoll(r.at("step")) <= 10) ref_first.push_back(r);
+  }
+  CHECK(ref_first.size() >= 10);
+  CHECK(vt::csv_rows((base / "run" / "logs" / "version_0" / "metrics.csv").string()) == ref_first);
+
+  Signalled again;
+  auto t2 = trainer_in(base / "run");
+  t2.fit(again, loader(), val(), "last");
+  CHECK(t2.ckpt_path() == (base / "run" / "checkpoints" / "interrupted.ckpt").string());
+  CHECK(t2.global_step() == 24);
+  CHECK(same_weights(*again, *ref));
+  auto rows = vt::csv_rows((base / "run" / "logs" / "version_0" / "metrics.csv").string());
+  for (auto& r : vt::csv_rows((base / "run" / "logs" / "version_1" / "metrics.csv").string())) rows.push_back(r);
+  std::sort(rows.begin(), rows.end());
+  CHECK(rows == ref_rows);
+}
+
+TEST_CASE("stop signals: options checked up front; disabled, the process keeps its own handlers", "[checkpoint][signals]") {
+  CHECK_THROWS_WITH(volt::Trainer<>({.signals = {.requeue_signal = SIGKILL}}),
+                    Contains("signals.requeue_signal=9") && Contains("SIGUSR1"));
+  CHECK_THROWS_WITH(volt::Trainer<>({.signals = {.requeue_signal = SIGTERM}}), Contains("other than SIGTERM"));
+  auto [x, y] = vt::regression_data(16);
+  bool seen = false;
+  auto* old = std::signal(SIGTERM, SIG_IGN);
+  vt::Regressor m;
+  volt::make_trainer({.max_epochs = 1, .signals = {.enabled = false}}, HandlerProbe{&seen}).fit(m, make_loader(x, y, 8));
+  std::signal(SIGTERM, old);
+  CHECK(seen);  // SIGTERM kept the program's own disposition while the fit ran
 }

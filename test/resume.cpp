@@ -7,19 +7,25 @@
 //   resume spawn-exact <dir>                  the same with DDP<Spawn> workers
 //   resume n-to-m <from> <to> <dir> -- <mpirun...>
 //                                             saved on `from` ranks, resumed on `to`: every sample once
+//   resume signal <case> <dir> [-- <mpirun...>]
+//                                             a run stopped by SIGTERM/SIGUSR1 (to the process, mpirun, one rank,
+//                                             a Spawn main process) checkpoints, exits, and resumes bit-identical
 //   resume export <dir>                       the quick-start net's checkpoint, an input and its output, for
 //                                             test/torch_load_check.py
-// and the worker modes they start: train, writer, ddp-fit, spawn-fit, index-fit.
+// and the worker modes they start: train, writer, ddp-fit, spawn-fit, index-fit, sig-fit.
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
 #include "../examples/quickstart_net.hpp"
+#include "support/models.hpp"
+#include "support/processes.hpp"
 
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -33,96 +39,17 @@
 #include <vector>
 
 namespace fs = std::filesystem;
+using vt::after_dashes;
+using vt::Child;
+using vt::fail;
+using vt::identical;
+using vt::run;
+using vt::run_until;
+using vt::self_exe;
+using vt::start;
+using vt::wait_for;
 
 namespace {
-
-std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
-
-/// A started command: its pid and, when piped, its standard output.
-struct Child {
-  pid_t pid;
-  FILE* out;
-};
-
-Child start(const std::vector<std::string>& cmd, bool piped) {
-  int fds[2] = {-1, -1};
-  if (piped && ::pipe(fds) != 0) throw std::runtime_error("pipe failed");
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    if (piped) {
-      ::dup2(fds[1], STDOUT_FILENO);
-      ::close(fds[0]);
-      ::close(fds[1]);
-    }
-    std::vector<char*> argv;
-    for (const auto& a : cmd) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execvp(argv[0], argv.data());
-    std::perror("exec");
-    std::_Exit(127);
-  }
-  if (!piped) return {pid, nullptr};
-  ::close(fds[1]);
-  return {pid, ::fdopen(fds[0], "r")};
-}
-
-/// Waits for a child; its exit status, or -signal when a signal ended it.
-int wait_for(const Child& c) {
-  if (c.out != nullptr) std::fclose(c.out);
-  int status = 0;
-  ::waitpid(c.pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-}
-
-/// Runs a command to its end; returns its exit status (-signal when killed).
-int run(const std::vector<std::string>& cmd) {
-  std::cout << "$";
-  for (const auto& a : cmd) std::cout << " " << a;
-  std::cout << std::endl;
-  return wait_for(start(cmd, false));
-}
-
-/// Starts a command with its stdout on a pipe; `on_line` sees each line and returns true to kill the
-/// process with SIGKILL there. Returns the status as run() does.
-template <class F>
-int run_until(const std::vector<std::string>& cmd, F&& on_line) {
-  const Child c = start(cmd, true);
-  FILE* in = c.out;
-  char line[512];
-  while (std::fgets(line, sizeof line, in) != nullptr) {
-    if (on_line(std::string(line))) {
-      ::kill(c.pid, SIGKILL);
-      break;
-    }
-  }
-  return wait_for(c);
-}
-
-[[noreturn]] void fail(const std::string& what) {
-  std::cout << "MISMATCH: " << what << std::endl;
-  std::exit(1);
-}
-
-/// Whether two weights-only checkpoints hold bit-identical tensors under the same names.
-bool identical(const std::string& a, const std::string& b, std::string* why) {
-  const auto da = volt::checkpoint::read(a).at("state_dict").toGenericDict();
-  const auto db = volt::checkpoint::read(b).at("state_dict").toGenericDict();
-  if (da.size() != db.size()) {
-    *why = "different tensor counts";
-    return false;
-  }
-  for (const auto& e : da) {
-    const auto& k = e.key().toStringRef();
-    if (!db.contains(k) || !torch::equal(e.value().toTensor(), db.at(k).toTensor())) {
-      *why = k + " differs (max abs diff " +
-             (db.contains(k) ? std::to_string((e.value().toTensor() - db.at(k).toTensor()).abs().max().item<double>())
-                             : std::string("missing")) +
-             ")";
-      return false;
-    }
-  }
-  return true;
-}
 
 // ---- the model of the exact-resume runs ------------------------------------------------------------------
 
@@ -150,11 +77,11 @@ struct TinyImpl : torch::nn::Module {
 };
 TORCH_MODULE(Tiny);
 
-volt::data::TensorLoader tiny_data() {
+volt::data::TensorLoader tiny_data(bool shuffle = true) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   auto x = torch::randn({96, 6}, gen);
   auto y = x.sum(1, true).sin() + 0.05 * torch::randn({96, 1}, gen);
-  return volt::data::TensorLoader(x, y, {.batch_size = 8, .shuffle = true, .seed = 3});
+  return volt::data::TensorLoader(x, y, {.batch_size = 8, .shuffle = shuffle, .seed = 3});
 }
 
 /// Prints "step N" after each optimizer step (after the checkpoint callback has written it).
@@ -366,17 +293,11 @@ struct IndexModelImpl : torch::nn::Module {
 };
 TORCH_MODULE(IndexModel);
 
-struct IndexDataset : torch::data::datasets::Dataset<IndexDataset> {
-  torch::data::Example<> get(size_t i) override {
-    return {torch::full({2}, static_cast<float>(i)), torch::tensor(static_cast<int64_t>(i))};
-  }
-  c10::optional<size_t> size() const override { return 48; }
-};
 
 template <class Trainer>
 int index_fit_with(Trainer& trainer, const std::string& record, const std::string& ckpt) {
   IndexModel model;
-  volt::data::DatasetLoader loader(IndexDataset{}.map(torch::data::transforms::Stack<>()),
+  volt::data::DatasetLoader loader(vt::IndexDataset(48).map(torch::data::transforms::Stack<>()),
                                    {.batch_size = 4, .shuffle = true, .seed = 5});
   trainer.fit(model, loader, volt::NoLoader{}, ckpt);
   std::ofstream out(record + ".rank" + std::to_string(trainer.strategy().global_rank()));
@@ -440,6 +361,168 @@ int n_to_m(int from, int to, const std::string& dir, std::vector<std::string> mp
   return 0;
 }
 
+// ---- stop signals ---------------------------------------------------------------------------------------------
+
+/// Rank zero writes the step to <dir>/progress after each training batch, then every rank sleeps `delay_ms`, so
+/// that a signal sent after step K lands in a running fit; each rank writes its pid to <dir>/pid.<rank>.
+struct Pacer {
+  std::string dir;
+  int delay_ms = 0;
+  template <class T, class M>
+  void on_fit_start(T& trainer, M&) {
+    std::ofstream(dir + "/pid." + std::to_string(trainer.strategy().global_rank())) << ::getpid() << "\n";
+  }
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
+    if (trainer.is_global_zero()) {
+      std::ofstream(dir + "/progress.tmp") << trainer.global_step() << "\n";
+      fs::rename(dir + "/progress.tmp", dir + "/progress");
+    }
+    if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  }
+};
+
+// resume sig-fit single|ddp|spawn <dir> <weights-out> <delay_ms> [ckpt]: the Tiny fit on one process, on 2 DDP
+// ranks (under mpirun) or on 2 Spawn workers, validating twice an epoch, a CSVLogger row every step, the default
+// ModelCheckpoint in <dir>/ckpt; the final weights go to <weights-out>.
+template <class S>
+int sig_fit(const std::string& dir, const std::string& out, int delay_ms, const std::string& ckpt) {
+  fs::create_directories(dir);
+  torch::manual_seed(1);
+  Tiny model;
+  auto trainer = volt::make_trainer<S, volt::Fp32, volt::CPU>(
+      {.devices = S::is_distributed ? 2 : 1, .max_epochs = 4, .val_check_interval = 0.5, .deterministic = true,
+       .seed = 7, .log_every_n_steps = 1, .default_root_dir = dir},
+      volt::ModelCheckpoint({.dirpath = dir + "/ckpt"}), volt::CSVLogger({.name = "logs"}), Pacer{dir, delay_ms});
+  auto val = tiny_data(/*shuffle=*/false);  // the same order in every validation, so resumed means sum alike
+  trainer.fit(model, tiny_data(), val, ckpt);
+  if constexpr (std::is_same_v<S, volt::DDP<volt::Spawn, volt::Mpi>>) {  // fit brought rank 0's weights back here
+    auto d = volt::checkpoint::make_dict();
+    d.insert("state_dict", volt::checkpoint::module_state(*model));
+    volt::checkpoint::save(out, d);
+  } else {
+    trainer.save_checkpoint(out, /*weights_only=*/true);
+  }
+  return 0;
+}
+
+int64_t read_number(const std::string& file) {
+  std::ifstream in(file);
+  int64_t v = -1;
+  in >> v;
+  return v;
+}
+
+// resume signal single|mpirun-term|usr1-one-rank|spawn <dir> [-- <mpirun...>]: an uninterrupted reference run,
+// then the same run stopped by a signal after a random step (SIGTERM to the process, to mpirun or to the Spawn
+// main process; SIGUSR1 to rank 1 alone), then resumed with "last": the weights must be bit-identical to the
+// reference's and the metric rows of both parts together the reference's rows. SLURM_JOB_ID is set with a
+// stand-in `scontrol` on PATH where the signal requeues (single: SIGTERM; usr1-one-rank: SIGUSR1): it must be
+// called once, by rank zero. `single` also sends a second signal to a fresh run: it must end at once.
+int signal_case(const std::string& kase, const std::string& dir, const std::vector<std::string>& mpirun) {
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string launcher = kase == "single" ? "single" : kase == "spawn" ? "spawn" : "ddp";
+  auto cmd = [&](std::vector<std::string> args) {
+    std::vector<std::string> c;
+    if (launcher == "ddp") c = mpirun;
+    c.push_back(self_exe());
+    c.push_back("sig-fit");
+    c.push_back(launcher);
+    c.insert(c.end(), args.begin(), args.end());
+    return c;
+  };
+  const int sig = kase == "usr1-one-rank" ? SIGUSR1 : SIGTERM;
+  const bool requeues = kase == "single" || kase == "usr1-one-rank";
+  const std::string bin = dir + "/bin", requeued = dir + "/requeued";
+  fs::create_directories(bin);
+  std::ofstream(bin + "/scontrol") << "#!/bin/sh\necho \"$@\" >> '" << requeued << "'\n";
+  fs::permissions(bin + "/scontrol", fs::perms::owner_all);
+  std::vector<std::string> env;
+  if (requeues) env = {"PATH=" + bin + ":" + std::getenv("PATH"), "SLURM_JOB_ID=4242"};
+
+  if (run(cmd({dir + "/ref", dir + "/ref.ckpt", "0"})) != 0) fail("the uninterrupted run failed");
+  const int64_t steps = launcher == "single" ? 48 : 24;
+  std::mt19937 rng(std::random_device{}());
+  // mpirun passes SIGTERM on to the ranks some hundreds of milliseconds later: slower steps keep the run going
+  const bool slow = kase == "mpirun-term";
+  const std::string delay = slow ? "200" : "40";
+  const int64_t after = std::uniform_int_distribution<int64_t>(2, steps - (slow ? 8 : 4))(rng);
+
+  const std::string run_dir = dir + "/run";
+  fs::create_directories(run_dir);
+  std::cout << "$ (signal " << volt::cluster::signal_name(sig) << " after step " << after << ")";
+  for (const auto& a : cmd({run_dir, dir + "/unused.ckpt", delay})) std::cout << " " << a;
+  std::cout << std::endl;
+  const Child child = start(cmd({run_dir, dir + "/unused.ckpt", delay}), false, env);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (read_number(run_dir + "/progress") < after) {
+    int status = 0;
+    if (::waitpid(child.pid, &status, WNOHANG) == child.pid) fail("the run ended before step " + std::to_string(after));
+    if (std::chrono::steady_clock::now() > deadline) fail("the run did not reach step " + std::to_string(after));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  pid_t target = child.pid;
+  if (kase == "usr1-one-rank") target = static_cast<pid_t>(read_number(run_dir + "/pid.1"));
+  if (target <= 0) fail("no pid to signal");
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(target, sig);
+  const int status = wait_for(child);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  const std::string ckpt = run_dir + "/ckpt/interrupted.ckpt";
+  if (!fs::exists(ckpt)) fail(kase + ": no " + ckpt + " after the signal (exit status " + std::to_string(status) + ")");
+  if ((launcher == "single" || launcher == "spawn") && status != 128 + sig) {
+    fail(kase + ": exit status " + std::to_string(status) + ", expected " + std::to_string(128 + sig));
+  }
+  if (status == 0) fail(kase + ": the stopped run exited with status 0");
+  const int64_t saved = volt::checkpoint::read(ckpt).at("loops").toGenericDict().at("global_step").toInt();
+  if (saved < after || saved >= steps) fail(kase + ": the checkpoint holds step " + std::to_string(saved));
+  if (requeues) {
+    std::ifstream in(requeued);
+    std::vector<std::string> lines;
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+    if (lines != std::vector<std::string>{"requeue 4242"}) {
+      fail(kase + ": scontrol was called " + std::to_string(lines.size()) + " times" +
+           (lines.empty() ? std::string() : " (first: " + lines[0] + ")") + "; expected once, with \"requeue 4242\"");
+    }
+  }
+
+  if (run(cmd({run_dir, dir + "/out.ckpt", "0", "last"})) != 0) fail(kase + ": the resumed run failed");
+  std::string why;
+  if (!identical(dir + "/ref.ckpt", dir + "/out.ckpt", &why)) fail(kase + ": resumed from step " + std::to_string(saved) + ": " + why);
+  auto ref_rows = vt::csv_rows(dir + "/ref/logs/version_0/metrics.csv");
+  auto rows = vt::csv_rows(run_dir + "/logs/version_0/metrics.csv");
+  const std::size_t before = rows.size();
+  for (auto& r : vt::csv_rows(run_dir + "/logs/version_1/metrics.csv")) rows.push_back(std::move(r));
+  std::sort(rows.begin(), rows.end());
+  if (rows != ref_rows) {
+    fail(kase + ": the metric rows of both parts (" + std::to_string(rows.size()) + ") are not the uninterrupted run's (" +
+         std::to_string(ref_rows.size()) + ")");
+  }
+  std::cout << kase << ": " << volt::cluster::signal_name(sig) << " after step " << after << "; exited " << ms << " ms later with status "
+            << status << "; checkpoint at step " << saved << (requeues ? ", job requeued once" : "") << "; resumed with "
+            << "\"last\": weights bit-identical, " << before << " + " << rows.size() - before << " metric rows = the "
+            << ref_rows.size() << " of the uninterrupted run  match" << std::endl;
+
+  if (kase == "single") {  // a second signal while the first waits for the batch boundary: the process ends at once
+    const std::string d2 = dir + "/second";
+    fs::create_directories(d2);
+    const Child c2 = start(cmd({d2, dir + "/unused2.ckpt", "500"}), false);
+    while (read_number(d2 + "/progress") < 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    ::kill(c2.pid, SIGTERM);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const auto t1 = std::chrono::steady_clock::now();
+    ::kill(c2.pid, SIGTERM);
+    const int s2 = wait_for(c2);
+    const auto ms2 = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t1).count();
+    if (s2 != -SIGTERM) fail("after a second SIGTERM the status is " + std::to_string(s2) + ", expected death by SIGTERM");
+    if (fs::exists(d2 + "/ckpt/interrupted.ckpt")) fail("a checkpoint was written although the second signal came first");
+    std::cout << "a second SIGTERM 50 ms after the first ended the process " << ms2 << " ms later, by the signal  match"
+              << std::endl;
+  }
+  return 0;
+}
+
 // ---- Python ---------------------------------------------------------------------------------------------
 
 // resume export <dir>: trains the quick-start net briefly, writes its checkpoint, an input and its output.
@@ -462,17 +545,6 @@ int export_for_python(const std::string& dir) {
   std::ofstream(dir + "/io.pt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   std::cout << "wrote " << dir << "/model.ckpt and " << dir << "/io.pt" << std::endl;
   return 0;
-}
-
-std::vector<std::string> after_dashes(int argc, char** argv) {
-  std::vector<std::string> out;
-  bool seen = false;
-  for (int i = 1; i < argc; ++i) {
-    if (seen) out.emplace_back(argv[i]);
-    if (std::string(argv[i]) == "--") seen = true;
-  }
-  if (out.empty()) fail("give the mpirun command after --");
-  return out;
 }
 
 }  // namespace
@@ -501,6 +573,11 @@ const Mode kModes[] = {
     {"n-to-m", 4, "<from> <to> <dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
        return n_to_m(std::stoi(a[2]), std::stoi(a[3]), a[4], after_dashes(argc, argv));
      }},
+    {"signal", 3, "single|mpirun-term|usr1-one-rank|spawn <dir> [-- <mpirun...>]",
+     [](const std::vector<std::string>& a, int argc, char** argv) {
+       return signal_case(a[2], a[3], a[2] == "single" || a[2] == "spawn" ? std::vector<std::string>{}
+                                                                           : after_dashes(argc, argv));
+     }},
     {"export", 2, "<dir>", [](const std::vector<std::string>& a, int, char**) { return export_for_python(a[2]); }},
     // workers
     {"train", 3, "<dir> <out> [--resume]", [](const std::vector<std::string>& a, int, char**) {
@@ -512,6 +589,12 @@ const Mode kModes[] = {
      }},
     {"spawn-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
        return two_rank_fit<volt::Spawn>(a[2], a[3], a.size() > 4 ? a[4] : "");
+     }},
+    {"sig-fit", 5, "single|ddp|spawn <dir> <out> <delay_ms> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
+       const std::string ckpt = a.size() > 6 ? a[6] : "";
+       if (a[2] == "ddp") return sig_fit<volt::DDP<volt::Script, volt::Mpi>>(a[3], a[4], std::stoi(a[5]), ckpt);
+       if (a[2] == "spawn") return sig_fit<volt::DDP<volt::Spawn, volt::Mpi>>(a[3], a[4], std::stoi(a[5]), ckpt);
+       return sig_fit<volt::SingleDevice>(a[3], a[4], std::stoi(a[5]), ckpt);
      }},
     {"index-fit", 5, "<ranks> <dir> <record> <max_steps> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
        return index_fit(std::stoi(a[2]), a[3], a[4], std::stoll(a[5]), a.size() > 6 ? a[6] : "");

@@ -530,3 +530,23 @@ TEST_CASE("a training step's exception reaches the caller and callbacks' on_exce
   CHECK_THROWS_WITH(t.fit(m, loader), "boom at batch 2");
   CHECK(seen);
 }
+
+TEST_CASE("an empty training or validation loader is said when fit starts", "[trainer]") {
+  auto [x, y] = vt::regression_data(16);
+  const std::vector<torch::data::Example<>> none;
+  std::ostringstream err;
+  auto* old = std::cerr.rdbuf(err.rdbuf());
+  vt::Regressor m;
+  volt::Trainer<> t({.max_epochs = 2});
+  t.fit(m, none);
+  const std::string train_msg = err.str();
+  err.str("");
+  volt::Trainer<> t2({.max_epochs = 2});
+  t2.fit(m, make_loader(x, y, 8), none);
+  const std::string val_msg = err.str();
+  std::cerr.rdbuf(old);
+  CHECK_THAT(train_msg, Contains("no training batches") && Contains("the training loader is empty"));
+  CHECK(t.global_step() == 0);
+  CHECK_THAT(val_msg, Contains("validation loader given to fit is empty"));
+  CHECK(t2.global_step() == 4);  // training still runs
+}

@@ -70,6 +70,19 @@ TEST_CASE("each shipped policy models its kind and no other", "[unit]") {
 
 // ---- options ------------------------------------------------------------------------------------------------
 
+TEST_CASE("seed_everything makes weights built before fit the same in every run", "[unit]") {
+  // The reference: LibTorch's own manual_seed, then the same module built.
+  torch::manual_seed(123);
+  torch::nn::Linear reference(8, 3);
+  volt::seed_everything(999);
+  torch::nn::Linear other(8, 3);
+  CHECK(volt::seed_everything(123) == 123);
+  torch::nn::Linear again(8, 3);
+  CHECK(torch::equal(again->weight, reference->weight));
+  CHECK(torch::equal(again->bias, reference->bias));
+  CHECK(!torch::equal(other->weight, reference->weight));
+}
+
 TEST_CASE("Limit resolves counts and fractions as Lightning", "[unit]") {
   CHECK(volt::Limit(5).resolve(10, "x") == 5);
   CHECK(volt::Limit(50).resolve(10, "x") == 10);

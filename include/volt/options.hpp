@@ -5,6 +5,7 @@
 /// is built (`validate_options`), before anything runs.
 
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -84,6 +85,29 @@ class Limit {
 /// How gradients are clipped when `gradient_clip_val` is set.
 enum class ClipAlgorithm { norm, value };
 
+/// What a fit does when the job is told to stop: a scheduler's SIGTERM (SLURM at the time limit or on
+/// preemption, Kubernetes), Ctrl-C (SIGINT), or the early warning a scheduler can send (SLURM's
+/// `--signal=USR1@90`). The signal sets a flag; every rank reads it at the next training batch boundary and
+/// all agree (a signal that reached one rank stops all). The fit then writes a full checkpoint where
+/// `fit(..., "last")` finds it (ModelCheckpoint's folder, `interrupted.ckpt`), flushes the loggers, requeues a
+/// SLURM job when asked, and ends the process with exit status 128 + the signal number (143 for SIGTERM, 130
+/// for SIGINT, 138 for SIGUSR1), the status a shell reports for a process that signal ended. A second
+/// signal ends the process at once. Under mpirun, SIGTERM to mpirun reaches the ranks with a 1 s grace
+/// before SIGKILL (Open MPI's `odls_base_sigkill_timeout`): send SIGUSR1, which mpirun forwards, or raise
+/// that timeout.
+struct SignalOptions {
+  /// Handle SIGTERM, SIGINT and `requeue_signal` while a fit runs (false: the process keeps its own handlers).
+  bool enabled = true;
+  /// The extra signal a scheduler sends before its deadline; 0: none.
+  int requeue_signal = SIGUSR1;
+  /// In a SLURM job (SLURM_JOB_ID set), run `scontrol requeue $SLURM_JOB_ID` on rank zero after the
+  /// checkpoint is written, for SIGTERM and `requeue_signal` (not for Ctrl-C), as Lightning's auto_requeue.
+  bool auto_requeue = true;
+  /// End the process after the checkpoint (false: fit throws `volt::Interrupted` instead, for programs that
+  /// clean up themselves).
+  bool exit_process = true;
+};
+
 /// The Trainer's run-time settings. Every field has Lightning's default and meaning unless said otherwise.
 struct TrainerOptions {
   /// Number of processes (CPU) or devices (GPU) per node. SingleDevice takes exactly 1.
@@ -135,6 +159,8 @@ struct TrainerOptions {
   int64_t log_every_n_steps = 50;
   /// Where loggers and checkpoints go unless they are told otherwise.
   std::string default_root_dir = ".";
+  /// SIGTERM, SIGINT and the requeue signal during fit: checkpoint, flush, requeue, exit (SignalOptions).
+  SignalOptions signals = {};
 };
 
 namespace detail {
@@ -196,6 +222,13 @@ inline void validate_options(const TrainerOptions& o) {
           quote("fast_dev_run", o.fast_dev_run) + " is not allowed: give 0 (off), true/1 or a number of batches.");
   require(o.log_every_n_steps >= 1,
           quote("log_every_n_steps", o.log_every_n_steps) + " is not allowed: give a number >= 1.");
+  if (o.signals.enabled && o.signals.requeue_signal != 0) {
+    const int s = o.signals.requeue_signal;
+    require(s > 0 && s < NSIG && s != SIGKILL && s != SIGSTOP && s != SIGTERM && s != SIGINT,
+            quote("signals.requeue_signal", s) + " is not allowed: give a catchable signal other than SIGTERM and "
+            "SIGINT (which are always handled), such as SIGUSR1 (" + std::to_string(SIGUSR1) + ") or SIGUSR2 (" +
+            std::to_string(SIGUSR2) + "), or 0 for none.");
+  }
 }
 
 }  // namespace volt

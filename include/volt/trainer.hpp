@@ -14,6 +14,7 @@
 #include "volt/batch.hpp"
 #include "volt/callbacks/concept.hpp"
 #include "volt/checkpoint.hpp"
+#include "volt/cluster/signals.hpp"
 #include "volt/connectors/checkpoint_connector.hpp"
 #include "volt/connectors/logger_connector.hpp"
 #include "volt/context.hpp"
@@ -33,6 +34,8 @@
 #include <torch/types.h>
 
 #include <concepts>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -146,7 +149,13 @@ class Trainer {
       return FitResult{callback_metric_values(), best_model_path()};
     };
     detail::FitTransfer<module_impl_t<M>> transfer{&detail::unwrap(module)};
-    return strategy_.launch(body, transfer);
+    try {
+      return strategy_.launch(body, transfer);
+    } catch (const Interrupted& stop) {  // a stop signal: the checkpoint is written (SignalOptions)
+      if (!options_.signals.exit_process) throw;
+      std::fflush(nullptr);
+      std::exit(stop.exit_status());
+    }
   }
   /// Resumes a fit without validation from `ckpt_path` (a file, `"last"` or `"best"`).
   template <class M, class TrainLoader>
@@ -217,6 +226,10 @@ class Trainer {
   bool fitting() const { return fitting_; }
   /// Whether the running (or last) fit validates at all.
   bool has_validation() const { return num_val_batches_ != 0; }
+  /// Whether a validation run of the running (or last) fit has ended (the sanity check does not count).
+  bool validation_has_run() const { return progress_.validated; }
+  /// The checkpoint the running (or last) fit resumed from ("" when it started afresh).
+  const std::string& ckpt_path() const { return ckpt_path_; }
 
   /// Writes a checkpoint of the running (or last) fit to `path` (see volt/checkpoint.hpp for what it
   /// holds); `weights_only` keeps the module's parameters and buffers only. Every rank must call it: each
@@ -276,6 +289,7 @@ class Trainer {
   // A function, not a constant: its body is a complete-class context, so callbacks may use the Trainer's members.
   static consteval bool has_loggers() { return (detail::LoggerCallback<Callbacks, Trainer> || ... || false); }
   void send_to_loggers(detail::MetricMap& metrics);
+  void flush_loggers();
 
   // ---- fit (loops/fit_loop_impl.hpp, loops/training_batch_impl.hpp) ----
   template <class Impl, class TL, class VL>
@@ -289,6 +303,8 @@ class Trainer {
   bool fit_done() const;
   bool should_check_val(int64_t batch_idx, bool is_last) const;
   void close_epoch();
+  void stop_on_signal();
+  std::string signal_checkpoint_path() const;
   template <class Impl, class VL>
   void run_validation(Impl& module, VL* val);
   template <class Impl, class B, class VL>
@@ -363,6 +379,8 @@ class Trainer {
   std::optional<data::LoaderState> final_loader_state_;
   /// A fit is running.
   bool fitting_ = false;
+  /// The checkpoint the running (or last) fit resumed from ("" when none).
+  std::string ckpt_path_;
 };
 
 /// Builds a Trainer whose callback pack is deduced from the arguments:

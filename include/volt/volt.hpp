@@ -11,6 +11,7 @@
 #include "volt/options.hpp"
 #include "volt/precision.hpp"
 #include "volt/rules.hpp"
+#include "volt/seed.hpp"
 #include "volt/strategies.hpp"
 #include "volt/trainer.hpp"
 #include "volt/version.hpp"

@@ -9,6 +9,10 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -162,6 +166,34 @@ inline volt::data::TensorLoader index_loader(int64_t n, volt::data::LoaderOption
 
 inline auto index_dataset_loader(int64_t n, volt::data::LoaderOptions o) {
   return volt::data::DatasetLoader(vt::IndexDataset(n).map(torch::data::transforms::Stack<>()), o);
+}
+
+/// The rows of a CSVLogger file, each as its non-empty (column, value) pairs, sorted.
+inline std::vector<std::map<std::string, std::string>> csv_rows(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) throw std::runtime_error("no metrics file " + file);
+  auto split = [](const std::string& line) {
+    std::vector<std::string> out;
+    std::stringstream ss(line);
+    std::string cell;
+    while (std::getline(ss, cell, ',')) out.push_back(cell);
+    if (!line.empty() && line.back() == ',') out.emplace_back();
+    return out;
+  };
+  std::string line;
+  std::getline(in, line);
+  const auto header = split(line);
+  std::vector<std::map<std::string, std::string>> rows;
+  while (std::getline(in, line)) {
+    const auto cells = split(line);
+    std::map<std::string, std::string> row;
+    for (std::size_t i = 0; i < cells.size() && i < header.size(); ++i) {
+      if (!cells[i].empty()) row[header[i]] = cells[i];
+    }
+    rows.push_back(std::move(row));
+  }
+  std::sort(rows.begin(), rows.end());
+  return rows;
 }
 
 inline bool same_weights(torch::nn::Module& a, torch::nn::Module& b) {

@@ -42,6 +42,8 @@
 /// | `current_epoch()`, `global_step()`, `batch_idx()`, `stage()`, `sanity_checking()` | where the loops stand |
 /// | `max_epochs()`, `max_steps()`, `num_training_batches()`, `num_eval_batches()` | the run's extent (-1: until the loader ends) |
 /// | `fitting()`, `fast_dev_run()`, `has_validation()`, `is_global_zero()` | what kind of run this is, and whether this process is rank zero |
+/// | `validation_has_run()` | a validation run of this fit has ended (a validation metric can be there) |
+/// | `ckpt_path()` | the checkpoint this fit resumed from ("" when none): never delete it |
 /// | `callback_metrics()`, `progress_bar_metrics()`, `logged_metrics()`, `callback_metric_values()` | the latest logged values |
 /// | `record_metric(name, value, prog_bar, logger)` | a value of the callback's own (a learning rate), to callback_metrics and loggers |
 /// | `request_stop()`, `should_stop()` | ask the fit to stop (honoured once min_epochs/min_steps are met) |
@@ -56,6 +58,13 @@
 /// Lightning), an empty `"best"` a `CheckpointError`. A callback with `best_model_path()` also gives `fit`'s
 /// result its `best_model_path` (the first non-empty one). ModelCheckpoint implements both; it finds the best
 /// path in a new process through `checkpoint::saved_callback_state` (connectors/checkpoint_connector.hpp).
+/// Such a callback may also name where a stop signal's checkpoint goes,
+/// `std::string signal_checkpoint_path(const auto& trainer) const` (the first answer is used; none:
+/// `<default_root_dir>/checkpoints/interrupted.ckpt`), so that its `find_last_checkpoint` finds it.
+///
+/// **Loggers** are callbacks with `on_log_metrics`. One that buffers gives itself `void flush()`: the Trainer
+/// calls it at the end of each training epoch, after each validation or test run, on a stop signal, when a run
+/// fails and when a fit ends, so that a killed run loses nothing written before those points.
 ///
 /// Writing your own:
 /// \code

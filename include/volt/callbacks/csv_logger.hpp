@@ -20,7 +20,9 @@ namespace volt {
 /// logging event, with a `step` column and the union of all metric names as columns (empty where a row
 /// has no value), as Lightning's CSVLogger. Rows are appended; when a new name appears the file is
 /// rewritten through a temporary file and a rename, so a reader never sees a half-written header.
-/// Writes nothing under fast_dev_run.
+/// Every row reaches the file when it is logged (`flush_every` = 1); the Trainer also flushes at each epoch's
+/// end, after each validation, on a stop signal, on a failure and at the end of a run, so a crash loses at
+/// most the rows of the last `flush_every - 1` logging events. Writes nothing under fast_dev_run.
 class CSVLogger {
  public:
   struct Options {
@@ -29,8 +31,8 @@ class CSVLogger {
     std::string name = "volt_logs";
     /// Unset: the next free version number.
     std::optional<int> version;
-    /// Write buffered rows every n logging events (and at the end of each run).
-    int64_t flush_every = 100;
+    /// Write rows to the file every n logging events (and whenever the Trainer flushes).
+    int64_t flush_every = 1;
   };
 
   CSVLogger() : CSVLogger(Options{}) {}
@@ -85,10 +87,11 @@ class CSVLogger {
     flush();
   }
 
-  /// Writes rows not yet on disk.
+  /// Writes rows not yet in the file (the Trainer calls it; see callbacks/concept.hpp).
   void flush() {
     if (!enabled_ || log_dir_.empty() || written_ == rows_.size()) return;
     if (header_changed_) {
+      out_.file.close();
       const std::filesystem::path tmp = log_dir_ / "metrics.csv.tmp";
       {
         std::ofstream f(tmp, std::ios::trunc);
@@ -100,9 +103,14 @@ class CSVLogger {
       std::filesystem::rename(tmp, metrics_file());
       header_changed_ = false;
     } else {
-      std::ofstream f(metrics_file(), std::ios::app);
-      for (std::size_t i = written_; i < rows_.size(); ++i) write_row(f, rows_[i]);
-      if (!f) throw std::runtime_error("volt: CSVLogger could not append to " + metrics_file().string());
+      std::ofstream& out = out_.file;
+      if (!out.is_open()) out.open(metrics_file(), std::ios::app);
+      for (std::size_t i = written_; i < rows_.size(); ++i) write_row(out, rows_[i]);
+      out.flush();
+      if (!out) {
+        out.close();
+        throw std::runtime_error("volt: CSVLogger could not append to " + metrics_file().string());
+      }
     }
     written_ = rows_.size();
   }
@@ -134,6 +142,15 @@ class CSVLogger {
   std::vector<Row> rows_;
   std::size_t written_ = 0;
   bool header_changed_ = false;
+  /// The file, open for appending between rewrites. A copied logger opens its own.
+  struct AppendStream {
+    std::ofstream file;
+    AppendStream() = default;
+    AppendStream(const AppendStream&) {}
+    AppendStream(AppendStream&&) = default;
+    AppendStream& operator=(const AppendStream&) { return *this; }
+    AppendStream& operator=(AppendStream&&) = default;
+  } out_;
 };
 
 }  // namespace volt

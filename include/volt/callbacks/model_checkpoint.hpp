@@ -36,6 +36,12 @@ namespace volt {
 /// Only rank zero writes and deletes files; every rank takes part in a save (the Trainer gathers each
 /// rank's random generator state). Its own state (best score and path, the top k, the last step saved)
 /// goes into each checkpoint, so a resumed fit keeps ranking against the earlier checkpoints.
+///
+/// What it never deletes, as Lightning: a file outside its own folder, and the checkpoint the fit resumed
+/// from. A fit that resumes from a checkpoint written into another folder (another `default_root_dir` or
+/// `dirpath`) takes over only its best path, not its top k, so the earlier run's files stay whole.
+/// A monitored name that is missing is a warning until the fit's first validation has run (a step-based
+/// save can come before it), and an error after.
 /// `trainer.fit(module, train, val, "last")` resumes from the newest checkpoint it wrote (a fresh start
 /// when there is none yet), `"best"` from its best.
 class ModelCheckpoint {
@@ -63,6 +69,7 @@ class ModelCheckpoint {
 
   static constexpr bool monitors_metrics = true;
   static constexpr const char* kLastName = "last";
+  static constexpr const char* kInterruptedName = "interrupted";
   static constexpr const char* kExtension = ".ckpt";
   /// The key of the best checkpoint's path in its state.
   static constexpr const char* kBestModelPath = "best_model_path";
@@ -109,6 +116,8 @@ class ModelCheckpoint {
   void setup(T& trainer, M&, Stage stage) {
     if (stage != Stage::train) return;
     dirpath_ = folder(trainer).string();
+    global_zero_ = trainer.is_global_zero();
+    warned_missing_monitor_ = false;
   }
 
   template <class T, class M, class B>
@@ -140,25 +149,30 @@ class ModelCheckpoint {
   const std::map<std::string, double>& best_k_models() const { return best_k_; }
   std::string dirpath() const { return dirpath_.empty() ? options_.dirpath : dirpath_; }
 
-  /// The newest checkpoint in its folder: `last.ckpt` when there is one, else the most recently written
-  /// `.ckpt` file; "" when the folder holds none.
+  /// The newest checkpoint in its folder: the most recently written `.ckpt` file (`last.ckpt` on a tie, and
+  /// a stop signal's `interrupted.ckpt` when that came last); "" when the folder holds none.
   template <class T>
   std::string find_last_checkpoint(const T& trainer) const {
     const std::filesystem::path dir = folder(trainer);
+    const std::string last = (dir / (std::string(kLastName) + kExtension)).string();
     std::error_code ec;
-    const auto last = dir / (std::string(kLastName) + kExtension);
-    if (std::filesystem::is_regular_file(last, ec)) return last.string();
     std::string newest;
     std::filesystem::file_time_type newest_time{};
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
       if (!e.is_regular_file() || e.path().extension() != kExtension) continue;
       const auto t = e.last_write_time(ec);
-      if (newest.empty() || t > newest_time) {
+      if (newest.empty() || t > newest_time || (t == newest_time && e.path().string() == last)) {
         newest = e.path().string();
         newest_time = t;
       }
     }
     return newest;
+  }
+
+  /// Where a stop signal's checkpoint goes (the Trainer writes it; `find_last_checkpoint` finds it).
+  template <class T>
+  std::string signal_checkpoint_path(const T& trainer) const {
+    return (folder(trainer) / (std::string(kInterruptedName) + kExtension)).string();
   }
 
   /// Its best checkpoint: the one it knows, or in a new process the best its newest checkpoint records
@@ -189,6 +203,8 @@ class ModelCheckpoint {
     return d;
   }
 
+  /// Takes up a saved state. From a checkpoint of another folder only the best path is taken (Lightning's
+  /// rule): that run's top k and last path are its own, never ranked against or deleted from here.
   void load_state_dict(const checkpoint::Dict& d) {
     for (const char* key : {"best_model_score", "best_model_path", "kth_best_model_path", "kth_value",
                             "last_model_path", "last_global_step_saved", "best_k_models"}) {
@@ -197,12 +213,22 @@ class ModelCheckpoint {
                                     "\"; it was not saved by ModelCheckpoint.");
       }
     }
+    last_global_step_saved_ = d.at("last_global_step_saved").toInt();
+    const std::string saved_dir = d.contains("dirpath") ? d.at("dirpath").toStringRef() : dirpath();
+    if (!same_folder(saved_dir, dirpath())) {
+      if (global_zero_) {
+        std::cerr << "volt: ModelCheckpoint: the checkpoint folder changed from " << saved_dir << " to " << dirpath()
+                  << "; only best_model_path is taken over (not the best k, their scores or the last path), and "
+                     "nothing in the old folder is deleted.\n";
+      }
+      best_model_path_ = d.at(kBestModelPath).toStringRef();
+      return;
+    }
     best_score_ = d.at("best_model_score").toDouble();
     best_model_path_ = d.at(kBestModelPath).toStringRef();
     kth_path_ = d.at("kth_best_model_path").toStringRef();
     kth_value_ = d.at("kth_value").toDouble();
     last_model_path_ = d.at("last_model_path").toStringRef();
-    last_global_step_saved_ = d.at("last_global_step_saved").toInt();
     best_k_.clear();
     for (const auto& e : d.at("best_k_models").toGenericDict()) best_k_.emplace(e.key().toStringRef(), e.value().toDouble());
   }
@@ -279,6 +305,26 @@ class ModelCheckpoint {
     return buf;
   }
 
+  /// Whether two folder names are the same folder (as absolute, normalised paths; neither need exist).
+  static bool same_folder(const std::string& a, const std::string& b) {
+    std::error_code ec;
+    return std::filesystem::weakly_canonical(std::filesystem::absolute(a), ec) ==
+           std::filesystem::weakly_canonical(std::filesystem::absolute(b), ec);
+  }
+
+  /// Whether `previous` may be deleted: a file inside its own folder, and not the one the fit resumed from.
+  template <class T>
+  bool may_remove(const T& trainer, const std::string& previous) const {
+    if (previous.empty()) return false;
+    std::error_code ec;
+    const auto file = std::filesystem::weakly_canonical(std::filesystem::absolute(previous), ec);
+    if (!trainer.ckpt_path().empty() &&
+        file == std::filesystem::weakly_canonical(std::filesystem::absolute(trainer.ckpt_path()), ec)) {
+      return false;
+    }
+    return same_folder(file.parent_path().string(), dirpath_);
+  }
+
   bool better(double a, double b) const { return options_.mode == Mode::min ? a < b : a > b; }
   double worst() const {
     return options_.mode == Mode::min ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
@@ -313,19 +359,26 @@ class ModelCheckpoint {
           s << "volt: ModelCheckpoint monitors \"" << *options_.monitor << "\", which was not logged. Logged:";
           for (const auto& [k, v] : metrics) s << " " << k;
           s << ". Log it with ctx.log(\"" << *options_.monitor << "\", ...) or change monitor.";
-          throw std::runtime_error(s.str());
-        }
-        const double current = std::isfinite(it->second) ? it->second : worst();
-        const bool full = options_.save_top_k > 0 && static_cast<int64_t>(best_k_.size()) >= options_.save_top_k;
-        // Saving is collective: the ranks write only when all agree (values logged without sync_dist may differ).
-        if (trainer.strategy().reduce_boolean_decision(!full || better(current, kth_value_), /*all=*/true)) {
-          if (full) {
-            remove.push_back(kth_path_);
-            best_k_.erase(kth_path_);
+          // Before the fit's first validation a validation metric cannot be there yet: warn once, rank nothing.
+          if (!trainer.has_validation() || trainer.validation_has_run()) throw std::runtime_error(s.str());
+          if (global_zero_ && !warned_missing_monitor_) {
+            std::cerr << s.str() << " (A warning until the fit's first validation has run; until then step "
+                      << trainer.global_step() << "'s and later saves keep no best k.)\n";
           }
-          best_k_[path] = current;
-          written = path;
-          update_best();
+          warned_missing_monitor_ = true;
+        } else {
+          const double current = std::isfinite(it->second) ? it->second : worst();
+          const bool full = options_.save_top_k > 0 && static_cast<int64_t>(best_k_.size()) >= options_.save_top_k;
+          // Saving is collective: the ranks write only when all agree (values logged without sync_dist may differ).
+          if (trainer.strategy().reduce_boolean_decision(!full || better(current, kth_value_), /*all=*/true)) {
+            if (full) {
+              remove.push_back(kth_path_);
+              best_k_.erase(kth_path_);
+            }
+            best_k_[path] = current;
+            written = path;
+            update_best();
+          }
         }
       }
     }
@@ -338,7 +391,7 @@ class ModelCheckpoint {
     }
     if (trainer.is_global_zero()) {
       for (const auto& p : remove) {
-        if (p.empty() || p == written || p == last) continue;
+        if (p == written || p == last || !may_remove(trainer, p)) continue;
         std::error_code ec;
         std::filesystem::remove(p, ec);
       }
@@ -374,6 +427,8 @@ class ModelCheckpoint {
   double best_score_ = std::numeric_limits<double>::quiet_NaN();
   double kth_value_ = 0.0;
   int64_t last_global_step_saved_ = 0;  // as Lightning: nothing to save before the first step
+  bool global_zero_ = true;               // this process prints (set at setup)
+  bool warned_missing_monitor_ = false;   // the missing-monitor warning was given in this fit
 };
 
 }  // namespace volt

@@ -4,6 +4,7 @@
 /// of: this process's place (`Processes`), the role a launcher gave it (`VOLT_LAUNCH_ROLE`), running a body as a
 /// rank so that a failure reaches the other ranks, and starting copies of this program (`MPI_Comm_spawn`).
 
+#include "volt/cluster/signals.hpp"
 #include "volt/comm/runtime.hpp"
 
 #include <mpi.h>
@@ -47,6 +48,8 @@ decltype(auto) run_as_rank(const Processes& procs, F&& body) {
     return std::forward<F>(body)();
   } catch (const RankFailure&) {
     throw;
+  } catch (const Interrupted&) {
+    throw;  // every rank agreed on the stop: nobody is waiting for a failure notice
   } catch (const std::exception& e) {
     if (procs.group != nullptr && procs.group->size() > 1) {
       procs.group->announce_failure("volt: rank " + std::to_string(procs.rank) + " failed: " + e.what());

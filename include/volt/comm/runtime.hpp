@@ -56,6 +56,7 @@ inline constexpr int kFailureTag = 31001;  // failure notices, on the failure ch
 inline constexpr int kResultTag = 31002;   // Spawn: rank 0's result to the main process
 inline constexpr int kErrorTag = 31003;    // Spawn: a worker's failure to the main process
 inline constexpr int kHelloTag = 31004;    // Spawn: a worker's pid and host to the main process
+inline constexpr int kInterruptedTag = 31005;  // Spawn: the workers stopped on a signal ("<signal> <checkpoint>")
 inline constexpr std::size_t kMessageCap = 8192;
 
 inline void mpi_check(int code, const char* what) {
@@ -198,6 +199,15 @@ class MpiGroup {
       }
       ::sched_yield();
     }
+  }
+
+  /// The largest of every member's `value` (an MPI allreduce on the host: no device is synchronised).
+  int max_over_ranks(int value) {
+    int out = value;
+    MPI_Request request;
+    mpi_check(MPI_Iallreduce(&value, &out, 1, MPI_INT, MPI_MAX, work_, &request), "MPI_Iallreduce");
+    wait(request);
+    return out;
   }
 
   /// Throws RankFailure if a failure notice has arrived (cheap: one MPI_Test).

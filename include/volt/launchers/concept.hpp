@@ -17,6 +17,7 @@
 /// volt/comm/processes.hpp.
 
 #include "volt/comm/processes.hpp"
+#include "volt/options.hpp"
 #include "volt/detail/fit_transfer.hpp"
 
 #include <concepts>
@@ -28,6 +29,8 @@ struct LaunchSpec {
   int devices = 1;
   int num_nodes = 1;
   const char* strategy = "DDP";
+  /// How the processes stop on a signal (a Spawn main process forwards it to its workers).
+  SignalOptions signals = {};
 };
 
 namespace detail {

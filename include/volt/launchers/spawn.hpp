@@ -13,6 +13,9 @@
 ///    and not inside an mpirun/srun job (each process would start its own workers): both throw.
 ///  - `validate`, `test` and `predict` run in the calling process as a world of one.
 ///  - A worker that fails ends the others; `fit` throws `volt::RankFailure` with its message in the main process.
+///  - A stop signal (SignalOptions) sent to the main process is forwarded to the workers; they checkpoint and
+///    tell the main process, which then ends as they do (exit status 128 + the signal). One sent to a worker
+///    stops them all the same way.
 
 #include "volt/cluster/environment.hpp"
 #include "volt/launchers/concept.hpp"
@@ -77,6 +80,22 @@ class Spawn {
                           "MPI_Isend");
         group->wait(send);
       }
+    } catch (const Interrupted& stop) {
+      // Every worker agreed on the stop and the checkpoint is written: rank 0 tells the main process.
+      MPI_Request request;
+      detail::mpi_check(MPI_Ibarrier(group->comm(), &request), "MPI_Ibarrier");
+      group->wait(request);
+      if (rank == 0) {
+        const std::string note = std::to_string(stop.signal()) + " " + stop.checkpoint();
+        MPI_Request send;
+        detail::mpi_check(MPI_Isend(note.data(), static_cast<int>(note.size()), MPI_BYTE, 0, detail::kInterruptedTag,
+                                    parent, &send),
+                          "MPI_Isend");
+        group->wait(send);
+      }
+      MPI_Comm_disconnect(&parent);
+      std::fflush(nullptr);
+      std::exit(stop.exit_status());
     } catch (const RankFailure&) {
       std::fflush(nullptr);
       std::_Exit(1);  // another worker failed and told the main process
@@ -115,6 +134,8 @@ class Spawn {
     detail::allow_oversubscription();
     auto& runtime = detail::MpiRuntime::instance();
     runtime.ensure_initialized();
+    cluster::SignalScope signals(spec.signals);  // forwarded to the workers, who stop and checkpoint
+    int forwarded = 0;
     MPI_Comm workers = detail::spawn_copies(spec.devices, "spawn");
 
     std::vector<int> pids(static_cast<std::size_t>(spec.devices), 0);
@@ -123,6 +144,11 @@ class Spawn {
     int hellos = 0;
     auto next_check = std::chrono::steady_clock::now();
     while (!have_result) {
+      if (const int sig = cluster::pending_signal(); sig != 0) {  // to every worker that has said hello, once
+        for (; forwarded < static_cast<int>(pids.size()) && pids[static_cast<std::size_t>(forwarded)] > 0; ++forwarded) {
+          ::kill(pids[static_cast<std::size_t>(forwarded)], sig);
+        }
+      }
       int flag = 0;
       MPI_Status status;
       MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, workers, &flag, &status);
@@ -154,6 +180,7 @@ class Spawn {
         int pid = 0;
         std::memcpy(&pid, bytes.data(), sizeof pid);
         pids[static_cast<std::size_t>(status.MPI_SOURCE)] = pid;
+        cluster::SignalScope::forward_to(pid);
         ++hellos;
       } else if (status.MPI_TAG == detail::kErrorTag || status.MPI_TAG == detail::kFailureTag) {
         runtime.mark_failed();
@@ -161,6 +188,13 @@ class Spawn {
       } else if (status.MPI_TAG == detail::kResultTag) {
         result = std::move(bytes);
         have_result = true;
+      } else if (status.MPI_TAG == detail::kInterruptedTag) {
+        const auto space = bytes.find(' ');
+        const int sig = std::atoi(bytes.substr(0, space).c_str());
+        const std::string path = space == std::string::npos ? std::string() : bytes.substr(space + 1);
+        MPI_Comm_disconnect(&workers);  // the workers' files are complete: they checkpointed and flushed first
+        throw Interrupted(sig, path, "volt: the Spawn workers stopped on " + cluster::signal_name(sig) +
+                                         " after writing " + path + ".");
       }
     }
     MPI_Comm_disconnect(&workers);

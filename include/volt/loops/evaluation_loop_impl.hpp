@@ -53,6 +53,7 @@ void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, 
       detail::MetricMap to_log;
       logger_.publish_epoch(eval_store_, collectives_, &to_log);
       send_to_loggers(to_log);
+      flush_loggers();
     }
   }
   hook<typename Kind::end>(module, ctx);

@@ -5,7 +5,10 @@
 /// validation where `val_check_interval` and `check_val_every_n_epoch` put it, and the stop decision.
 /// Not a header of its own: include volt/trainer.hpp.
 
+#include <cstdlib>
 #include <exception>
+#include <filesystem>
+#include <iostream>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -48,8 +51,11 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     }
   } scope{this};
 
+  cluster::SignalScope signals(options_.signals);  // SIGTERM, SIGINT, the requeue signal: checkpoint and stop
+  ckpt_path_.clear();
   try {
     const std::string resume_from = ckpt_path.empty() ? std::string() : resolve_ckpt_path(ckpt_path);
+    ckpt_path_ = resume_from;
     hook<detail::hooks::setup>(module, ctx, Stage::train);
     optim_ = detail::to_optimizer_config(module.configure_optimizers());
     if (!optim_.optimizer) {
@@ -75,11 +81,16 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     }
 
     hook<detail::hooks::teardown>(module, ctx, Stage::train);
+    flush_loggers();
     strategy_.teardown();
-  } catch (...) {
+  } catch (...) {  // a failure, or a stop signal after its checkpoint (volt::Interrupted): loggers keep their rows
     const std::exception_ptr error = std::current_exception();
     detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
     leave_batch();
+    try {
+      flush_loggers();
+    } catch (...) {  // the run's own error says more
+    }
     strategy_.teardown();
     throw;
   }
@@ -152,8 +163,10 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
     logger_.publish_epoch(train_store_, collectives_, &epoch_log);
     detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::monitoring>(callbacks_, *this, module);
     send_to_loggers(epoch_log);
+    flush_loggers();
     progress_.in_epoch_end = false;
     close_epoch();
+    stop_on_signal();  // between epochs: a checkpoint here resumes at the next epoch's first batch
   }
 
   hook<detail::hooks::on_train_end>(module, ctx);
@@ -186,6 +199,21 @@ void Trainer<S, P, A, Cs...>::resolve_fit_sizes(TL& train, VL* val) {
   num_val_batches_ = 0;
   if constexpr (!std::is_same_v<VL, NoLoader>) {
     num_val_batches_ = options_.limit_val_batches.resolve(detail::loader_size(*val), "limit_val_batches");
+  }
+  // Said once, at the start, as Lightning warns: an empty loader is rarely meant.
+  if (strategy_.is_global_zero()) {
+    if (num_training_batches_ == 0) {
+      std::cerr << "volt: fit has no training batches ("
+                << (detail::loader_size(train) == 0 ? std::string("the training loader is empty")
+                                                    : std::string("limit_train_batches is 0"))
+                << "), so nothing is trained.\n";
+    }
+    if constexpr (!std::is_same_v<VL, NoLoader>) {
+      if (num_val_batches_ == 0 && detail::loader_size(*val) == 0) {
+        std::cerr << "volt: the validation loader given to fit is empty, so validation never runs and nothing it "
+                     "would log (val_loss, ...) can be monitored.\n";
+      }
+    }
   }
 }
 
@@ -238,9 +266,55 @@ template <class Impl, class VL>
 void Trainer<S, P, A, Cs...>::run_validation(Impl& module, VL* val) {
   if constexpr (!std::is_same_v<VL, NoLoader>) {
     run_eval_loop<detail::ValidationKind>(module, *val, Stage::validate, num_val_batches_);
+    progress_.validated = true;
     module.train();
     state_.stage = Stage::train;
   }
+}
+
+/// At a training batch boundary: every rank reads its signal flag and all agree (the largest signal number
+/// wins, so one rank's signal stops all). On a signal: a full checkpoint where "last" finds it, the loggers
+/// flushed, a SLURM job requeued when asked, then volt::Interrupted to the top of fit (SignalOptions).
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::stop_on_signal() {
+  if (!options_.signals.enabled) return;
+  const int sig = strategy_.host_max(cluster::pending_signal());
+  if (sig == 0) return;
+  const std::string path = signal_checkpoint_path();
+  save_checkpoint(path, /*weights_only=*/false);
+  flush_loggers();
+  if (strategy_.is_global_zero()) {
+    std::string requeue;
+    if (cluster::should_requeue(options_.signals, sig)) {
+      const std::string failed = cluster::requeue_slurm_job();
+      requeue = failed.empty() ? " SLURM job " + std::string(std::getenv("SLURM_JOB_ID")) + " requeued."
+                               : " The SLURM job could not be requeued: " + failed + ".";
+    }
+    std::cerr << "volt: " << cluster::signal_name(sig) << " received; stopped at epoch " << state_.current_epoch
+              << ", step " << state_.global_step << " and saved " << path << " (resume with fit(..., \"last\") or "
+              << "this path)." << requeue
+              << (options_.signals.exit_process ? " Exiting with status " + std::to_string(128 + sig) + "." : "")
+              << std::endl;
+  }
+  throw Interrupted(sig, path, "volt: the fit stopped on " + cluster::signal_name(sig) + " after saving " + path + ".");
+}
+
+/// Where a stop signal's checkpoint goes: the first callback that finds checkpoints and names a place for it
+/// (ModelCheckpoint: `<its folder>/interrupted.ckpt`), else `<default_root_dir>/checkpoints/interrupted.ckpt`.
+template <class S, class P, class A, class... Cs>
+std::string Trainer<S, P, A, Cs...>::signal_checkpoint_path() const {
+  std::string path;
+  std::apply([&](const auto&... cb) {
+    auto one = [&](const auto& c) {
+      if constexpr (requires { { c.signal_checkpoint_path(*this) } -> std::convertible_to<std::string>; }) {
+        if (path.empty()) path = c.signal_checkpoint_path(*this);
+      }
+    };
+    (one(cb), ...);
+    (void)one;
+  }, callbacks_);
+  if (path.empty()) path = (std::filesystem::path(options_.default_root_dir) / "checkpoints" / "interrupted.ckpt").string();
+  return path;
 }
 
 }  // namespace volt

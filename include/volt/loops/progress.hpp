@@ -84,6 +84,8 @@ struct FitProgress {
   bool val_started = false;
   /// A callback or the module asked the fit to stop (honoured once min_epochs and min_steps are met).
   bool should_stop = false;
+  /// A validation run of this fit has ended (not saved: a resumed fit has not validated yet).
+  bool validated = false;
 
   /// The `loops` entry of a checkpoint taken now. `val_due`: the running batch is one after which validation
   /// runs. A save during a batch resumes after it; a save from an epoch's end hooks resumes by closing it.

@@ -154,6 +154,18 @@ void Trainer<S, P, A, Cs...>::send_to_loggers(detail::MetricMap& metrics) {
   metrics.clear();
 }
 
+/// Every logger callback with a `flush()` writes what it holds (callbacks/concept.hpp says when).
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::flush_loggers() {
+  std::apply([](auto&... cb) {
+    auto one = [](auto& c) {
+      if constexpr (requires { c.flush(); }) c.flush();
+    };
+    (one(cb), ...);
+    (void)one;
+  }, callbacks_);
+}
+
 /// See the declaration: callback_metrics (and the progress bar) now, loggers at once.
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::record_metric(const std::string& name, double value, bool prog_bar, bool logger) {

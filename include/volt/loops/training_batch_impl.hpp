@@ -88,6 +88,7 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, B& batch, 
     progress_.val_started = true;
     run_validation(module, val);
   }
+  stop_on_signal();  // still inside the batch: a checkpoint here resumes after it
   ++progress_.total_batch_idx;
   if (max_steps_reached()) return false;
   return !(progress_.should_stop && can_stop_early());

@@ -25,6 +25,7 @@
 /// | `broadcast_(const torch::Tensor&, int root)` | rank `root`'s tensor copied in place on every rank |
 /// | `reduce_boolean_decision(bool, bool all) -> bool` | all ranks agree (all: every rank true; else any) |
 /// | `barrier()` | every rank waits for the others |
+/// | `host_max(int) -> int` | the largest value over the ranks, reduced on the host (no device synchronisation): the stop-signal agreement at each training batch |
 /// | `pre_backward(bool sync)`, `post_backward()` | around each backward; `sync` is true on the micro-batch that steps |
 /// | `teardown()` | after a run, also one that failed |
 ///
@@ -81,6 +82,7 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
   s.broadcast_(t, 0);
   { s.reduce_boolean_decision(true, true) } -> std::convertible_to<bool>;
   s.barrier();
+  { s.host_max(0) } -> std::convertible_to<int>;
   s.pre_backward(true);
   s.post_backward();
   s.teardown();
@@ -96,6 +98,8 @@ struct StrategyDefaults {
   torch::Tensor all_gather(const torch::Tensor& t) { return t.detach().unsqueeze(0).clone(); }
   /// A world of one: nothing to copy.
   void broadcast_(const torch::Tensor& /*t*/, int /*root*/ = 0) {}
+  /// A world of one: its own value.
+  int host_max(int value) { return value; }
   void pre_backward(bool /*sync*/) {}
   void post_backward() {}
   void teardown() {}

@@ -41,6 +41,7 @@ class ProcessGroupStrategy : public StrategyDefaults {
     }
     spec_.devices = options.devices;
     spec_.num_nodes = options.num_nodes;
+    spec_.signals = options.signals;
     if (L::joins_external_jobs && launch_role().empty()) {
       cluster::check_against(cluster::detect(), options.devices, options.num_nodes);
     }
@@ -98,6 +99,11 @@ class ProcessGroupStrategy : public StrategyDefaults {
     return all ? votes == world_size() : votes > 0;
   }
   void barrier() { backend().barrier(); }
+  /// The largest `value` over the ranks, through the launcher's MPI processes on the host.
+  int host_max(int value) {
+    if (procs_.group == nullptr || procs_.world_size == 1) return value;
+    return procs_.group->max_over_ranks(value);
+  }
 
   B& backend() {
     if (!backend_) throw std::logic_error("volt: collectives were used before the strategy's set-up.");

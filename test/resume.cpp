@@ -215,6 +215,19 @@ int kill_mid_write(const std::string& dir, int rounds) {
 
 // ---- several ranks ------------------------------------------------------------------------------------------
 
+/// Writes a fit's final weights to `out`: from the calling process under Spawn (fit brought rank 0's weights back
+/// here, and no rank is left to save with), else through the Trainer, on every rank.
+template <bool spawned, class T>
+void save_final_weights(T& trainer, torch::nn::Module& model, const std::string& out) {
+  if constexpr (spawned) {
+    auto d = volt::checkpoint::make_dict();
+    d.insert("state_dict", volt::checkpoint::module_state(model));
+    volt::checkpoint::save(out, d);
+  } else {
+    trainer.save_checkpoint(out, /*weights_only=*/true);
+  }
+}
+
 // resume ddp-fit | spawn-fit <dir> <weights-out> [ckpt]: DDP on 2 ranks (under mpirun, or 2 Spawn workers),
 // gradients accumulated over 2 batches, validation twice an epoch; checkpoints after every optimizer step
 // (<dir>/step=N.ckpt) and after every validation (<dir>/val/..., some in the middle of an accumulation
@@ -230,13 +243,7 @@ int two_rank_fit(const std::string& dir, const std::string& out, const std::stri
       volt::ModelCheckpoint({.dirpath = dir + "/val", .save_top_k = -1}));
   auto val = tiny_data();
   trainer.fit(model, tiny_data(), val, ckpt);
-  if constexpr (std::is_same_v<Launcher, volt::Spawn>) {  // fit brought rank 0's weights back here
-    auto d = volt::checkpoint::make_dict();
-    d.insert("state_dict", volt::checkpoint::module_state(*model));
-    volt::checkpoint::save(out, d);
-  } else {
-    trainer.save_checkpoint(out, /*weights_only=*/true);
-  }
+  save_final_weights<std::is_same_v<Launcher, volt::Spawn>>(trainer, *model, out);
   return 0;
 }
 
@@ -396,13 +403,7 @@ int sig_fit(const std::string& dir, const std::string& out, int delay_ms, const 
       volt::ModelCheckpoint({.dirpath = dir + "/ckpt"}), volt::CSVLogger({.name = "logs"}), Pacer{dir, delay_ms});
   auto val = tiny_data(/*shuffle=*/false);  // the same order in every validation, so resumed means sum alike
   trainer.fit(model, tiny_data(), val, ckpt);
-  if constexpr (std::is_same_v<S, volt::DDP<volt::Spawn, volt::Mpi>>) {  // fit brought rank 0's weights back here
-    auto d = volt::checkpoint::make_dict();
-    d.insert("state_dict", volt::checkpoint::module_state(*model));
-    volt::checkpoint::save(out, d);
-  } else {
-    trainer.save_checkpoint(out, /*weights_only=*/true);
-  }
+  save_final_weights<std::is_same_v<S, volt::DDP<volt::Spawn, volt::Mpi>>>(trainer, *model, out);
   return 0;
 }
 

@@ -94,7 +94,9 @@ enum class ClipAlgorithm { norm, value };
 /// for SIGINT, 138 for SIGUSR1), the status a shell reports for a process that signal ended. A second
 /// signal ends the process at once. Under mpirun, SIGTERM to mpirun reaches the ranks with a 1 s grace
 /// before SIGKILL (Open MPI's `odls_base_sigkill_timeout`): send SIGUSR1, which mpirun forwards, or raise
-/// that timeout.
+/// that timeout. The agreement is one small host collective per training batch, so every rank must run the
+/// same number of training batches (as DDP's padded shards do); a ManualParallel module that gives ranks
+/// different counts turns signals off (`enabled = false`).
 struct SignalOptions {
   /// Handle SIGTERM, SIGINT and `requeue_signal` while a fit runs (false: the process keeps its own handlers).
   bool enabled = true;

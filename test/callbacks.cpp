@@ -9,6 +9,11 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
+#include <chrono>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 
 TEST_CASE("EarlyStopping stops after patience checks without improvement", "[trainer][callbacks]") {
   struct Scripted : vt::RegressorImpl {
@@ -99,6 +104,57 @@ TEST_CASE("ProgressBar draws step/total and metrics on rank zero", "[trainer][ca
   t.fit(m, loader);
   const std::string text = out.str();
   CHECK_THAT(text, Contains("Epoch 0/0") && Contains("10/10") && Contains("it/s") && Contains("loss="));
+}
+
+namespace {
+/// The it/s of the last line a plain ProgressBar printed.
+double last_rate(const std::string& text) {
+  const std::size_t at = text.rfind(" it/s");
+  REQUIRE(at != std::string::npos);
+  const std::size_t from = text.rfind(' ', at - 1) + 1;
+  return std::stod(text.substr(from, at - from));
+}
+}  // namespace
+
+TEST_CASE("ProgressBar's it/s counts training batches only: not validation, not a resume's skipped batches",
+          "[trainer][callbacks]") {
+  // Each training step takes at least 20 ms, so no honest rate is above 50 it/s; each validation step 100 ms.
+  struct Slow : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      return vt::RegressorImpl::training_step(b, ctx);
+    }
+    void validation_step(const torch::data::Example<>&, volt::Context&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  };
+  auto [x, y] = vt::regression_data(80);
+  SECTION("validation in the middle of the epoch (5 x 100 ms against 10 x 20 ms of training)") {
+    Slow m;
+    std::ostringstream out;
+    auto t = volt::make_trainer({.max_epochs = 1, .limit_val_batches = 5, .val_check_interval = 5,
+                                 .num_sanity_val_steps = 0},
+                                volt::ProgressBar({.out = &out, .plain = true}));
+    t.fit(m, make_loader(x, y, 8), make_loader(x, y, 8));
+    const double rate = last_rate(out.str());
+    INFO(out.str());
+    CHECK(rate <= 50.0);
+    CHECK(rate > 25.0);  // with the validation time in it: 10 batches / 1.2 s, about 8 it/s
+  }
+  SECTION("right after a resume at batch 8 of 10, two batches ran") {
+    const fs::path dir = scratch("bar_resume");
+    Slow m;
+    auto a = volt::make_trainer({.max_epochs = 1}, volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{step}",
+                                                                           .save_top_k = -1, .every_n_train_steps = 8}));
+    a.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8}));
+    std::ostringstream out;
+    auto b = volt::make_trainer({.max_epochs = 1}, volt::ModelCheckpoint({.dirpath = (dir / "b").string()}),
+                                volt::ProgressBar({.out = &out, .plain = true}));
+    b.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8}), (dir / "step=8.ckpt").string());
+    INFO(out.str());
+    CHECK_THAT(out.str(), Contains("10/10"));
+    CHECK(last_rate(out.str()) <= 50.0);  // counting the 8 skipped batches: 10 / 40 ms, about 250 it/s
+  }
 }
 
 // ---- ModelCheckpoint -------------------------------------------------------------------------------------
@@ -215,6 +271,69 @@ TEST_CASE("ModelCheckpoint saves every n steps or epochs, names files from a tem
   }
 }
 
+namespace {
+/// A small tmpfs mounted at `dir` while it lives (root only; `ok` is false where mounting is not allowed).
+struct TmpfsMount {
+  fs::path dir;
+  bool ok;
+  TmpfsMount(fs::path d, const std::string& options) : dir(std::move(d)) {
+    fs::create_directories(dir);
+    ok = std::system(("mount -t tmpfs -o " + options + " volt-test " + dir.string() + " 2>/dev/null").c_str()) == 0;
+  }
+  ~TmpfsMount() {
+    if (ok) (void)std::system(("umount " + dir.string()).c_str());
+  }
+};
+}  // namespace
+
+TEST_CASE("ModelCheckpoint finds a folder it cannot write into when the fit starts, before any training",
+          "[checkpoint][model_checkpoint]") {
+  auto [x, y] = vt::regression_data(32);
+  auto fit_into = [&](const fs::path& dirpath, vt::Regressor& m) {
+    auto t = volt::make_trainer({.max_epochs = 2}, volt::ModelCheckpoint({.dirpath = dirpath.string()}));
+    std::string what;
+    try {
+      t.fit(m, make_loader(x, y, 8));
+    } catch (const volt::CheckpointError& e) {
+      what = e.what();
+    }
+    CHECK(t.global_step() == 0);  // refused before the first step
+    return what;
+  };
+  const fs::path base = scratch("unwritable");
+  vt::Regressor m;
+  SECTION("a folder that cannot be created (a file is in the way)") {
+    std::ofstream(base / "file") << "x";
+    CHECK_THAT(fit_into(base / "file" / "checkpoints", m),
+               Contains("ModelCheckpoint cannot write checkpoints into " + (base / "file" / "checkpoints").string()) &&
+                   Contains("cannot be created"));
+  }
+  SECTION("a read-only disk, a full disk, a disk smaller than the weights") {
+    const TmpfsMount ro(base / "ro", "ro,size=64k");
+    const TmpfsMount full(base / "full", "size=64k");
+    const TmpfsMount tiny(base / "tiny", "size=16k");
+    if (!ro.ok || !full.ok || !tiny.ok) {
+      WARN("mounting a tmpfs is not allowed here (not root?): the read-only and full disk cases did not run");
+      return;
+    }
+    CHECK_THAT(fit_into(ro.dir, m), Contains(ro.dir.string()) && Contains(std::strerror(EROFS)));
+    {  // fill it: the kernel refuses the next block
+      std::ofstream fill(full.dir / "filler", std::ios::binary);
+      const std::string block(4096, 'x');
+      for (int i = 0; i < 64 && fill; ++i) fill << block << std::flush;
+    }
+    CHECK_THAT(fit_into(full.dir, m), Contains(full.dir.string()) && Contains(std::strerror(ENOSPC)));
+    struct Wide : vt::RegressorImpl {  // 64 KiB of weights on a 16 KiB disk
+      torch::nn::Linear wide{nullptr};
+      Wide() { wide = register_module("wide", torch::nn::Linear(128, 128)); }
+    } wide;
+    auto t = volt::make_trainer({.max_epochs = 1}, volt::ModelCheckpoint({.dirpath = tiny.dir.string()}));
+    // float32 weights: 128 x 128 + 128 (wide) + 4 + 1 (the regressor's own) = 16517 numbers, 66068 bytes
+    CHECK_THROWS_WITH(t.fit(wide, make_loader(x, y, 8)),
+                      Contains(tiny.dir.string()) && Contains("bytes free and one checkpoint needs at least 66068"));
+  }
+}
+
 TEST_CASE("ModelCheckpoint deletes nothing outside its folder, nor the checkpoint it resumed from",
           "[checkpoint][model_checkpoint]") {
   // Run A writes its checkpoints into a.; run B, in a new folder, resumes from A's best and trains on: every file of
@@ -275,18 +394,11 @@ TEST_CASE("ModelCheckpoint monitoring a validation metric warns, not fails, when
   auto [x, y] = vt::regression_data(32);
   const fs::path dir = scratch("monitor_before_validation");
   vt::Regressor m;
-  std::ostringstream err;
-  auto* old = std::cerr.rdbuf(err.rdbuf());
+  CaptureCerr err;
   auto t = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
                               volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{step}", .monitor = "val_loss",
                                                      .save_top_k = -1, .every_n_train_steps = 3}));
-  try {
-    t.fit(m, make_loader(x, y, 8), make_loader(x, y, 8));  // 4 steps per epoch: saves at 3 (no validation yet), 6
-  } catch (...) {
-    std::cerr.rdbuf(old);
-    throw;
-  }
-  std::cerr.rdbuf(old);
+  t.fit(m, make_loader(x, y, 8), make_loader(x, y, 8));  // 4 steps per epoch: saves at 3 (no validation yet), 6
   CHECK_THAT(err.str(), Contains("\"val_loss\"") && Contains("warning until the fit's first validation"));
   CHECK(t.validation_has_run());
   // step 3 came before any validation: no ranked file; step 6 came after epoch 0's validation
@@ -298,11 +410,9 @@ TEST_CASE("ModelCheckpoint monitoring a validation metric warns, not fails, when
     auto t2 = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
                                  volt::ModelCheckpoint({.dirpath = d2.string(), .monitor = "val_los",
                                                         .every_n_train_steps = 3}));
-    std::ostringstream quiet;
-    auto* o2 = std::cerr.rdbuf(quiet.rdbuf());
+    CaptureCerr quiet;
     CHECK_THROWS_WITH(t2.fit(m2, make_loader(x, y, 8), make_loader(x, y, 8)),
                       Contains("\"val_los\"") && Contains("val_loss"));
-    std::cerr.rdbuf(o2);
     CHECK(t2.global_step() == 6);  // the warning at step 3, the error at step 6
   }
 }

@@ -247,7 +247,21 @@ TEST_CASE("a fit resumed from any of its checkpoints ends bit-identical to the u
     Mlp resumed(99);  // other initial weights: all must come from the checkpoint
     auto r = resume_trainer(scratch("exact_b"));
     torch::manual_seed(456);  // another generator state: it must come from the checkpoint too
+    CaptureCerr err;
     r.fit(resumed, train(), val(), ckpt.string());
+    // Rank zero says where it goes on. Known from the settings: 10 batches an epoch, a step every 2 batches, so
+    // step=N was saved after batch 2((N-1) mod 5)+1 of epoch (N-1)/5, and end-E at the end of epoch E.
+    const std::string name = ckpt.filename().string();
+    if (name.rfind("steps_step=", 0) == 0) {
+      const int n = std::stoi(name.substr(11));
+      CHECK_THAT(err.str(), Contains("volt: resuming from " + ckpt.string() + ": epoch " + std::to_string((n - 1) / 5) +
+                                     ", global step " + std::to_string(n) + ", after batch " +
+                                     std::to_string(2 * ((n - 1) % 5) + 1) + " of the epoch"));
+    } else if (name.rfind("epochs_end-epoch=", 0) == 0) {
+      const int e = std::stoi(name.substr(17));
+      CHECK_THAT(err.str(), Contains("volt: resuming from " + ckpt.string() + ": epoch " + std::to_string(e) +
+                                     ", global step " + std::to_string(5 * (e + 1)) + ", at the end of the epoch."));
+    }
     CHECK(r.global_step() == 15);
     CHECK(same_weights(*reference, *resumed));
     CHECK(r.optimizer()->param_groups()[0].options().get_lr() == final_lr);

@@ -6,6 +6,9 @@
 #include "support/models.hpp"
 
 #include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <string>
 
 // What every Catch test file uses by its short name.
 using Catch::Matchers::Contains;
@@ -18,3 +21,22 @@ using vt::Regressor;
 using vt::same_weights;
 using vt::scratch;
 using vt::take;
+
+namespace vt {
+/// Collects what std::cerr receives while it lives (warnings the library prints), and puts std::cerr back after,
+/// also when a check throws.
+class CaptureCerr {
+ public:
+  CaptureCerr() : old_(std::cerr.rdbuf(text_.rdbuf())) {}
+  ~CaptureCerr() { std::cerr.rdbuf(old_); }
+  CaptureCerr(const CaptureCerr&) = delete;
+  CaptureCerr& operator=(const CaptureCerr&) = delete;
+  std::string str() const { return text_.str(); }
+  void clear() { text_.str(""); }
+
+ private:
+  std::ostringstream text_;
+  std::streambuf* old_;
+};
+}  // namespace vt
+using vt::CaptureCerr;

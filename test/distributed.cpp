@@ -133,6 +133,12 @@ int fit_scenario(int accumulate) {
     std::cout << "max |ddp - reference| = " << diff << std::endl;
     check(torch::allclose(got, want, 1e-5, 1e-6), "DDP weights equal the one-process reference (max diff " + std::to_string(diff) + ")");
     check(result.metrics.count("loss") == 1, "fit returns the logged metrics");
+    // The counters the reference loop walks through (under Spawn, brought back from rank 0 to this process).
+    const int64_t batches = n / kWorld / kBatch, steps = epochs * ((batches + accumulate - 1) / accumulate);
+    check(trainer.current_epoch() == epochs && trainer.global_step() == steps,
+          "after fit, current_epoch() = " + std::to_string(trainer.current_epoch()) + " (want " +
+              std::to_string(epochs) + ") and global_step() = " + std::to_string(trainer.global_step()) +
+              " (want " + std::to_string(steps) + ")");
   }
   if constexpr (std::is_same_v<L, volt::Script>) {
     if (!trainer.is_global_zero()) return failures == 0 ? 0 : 1;

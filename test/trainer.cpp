@@ -527,24 +527,86 @@ TEST_CASE("a training step's exception reaches the caller and callbacks' on_exce
   auto [x, y] = vt::regression_data(32);
   auto loader = make_loader(x, y, 4);
   auto t = volt::make_trainer({.max_epochs = 1}, SeenException{&seen});
-  CHECK_THROWS_WITH(t.fit(m, loader), "boom at batch 2");
+  CHECK_THROWS_WITH(t.fit(m, loader), Contains("training_step failed in epoch 0, batch 2") && Contains("boom at batch 2"));
   CHECK(seen);
+}
+
+TEST_CASE("an exception from a module's step says the step, the stage, the epoch and the batch", "[trainer]") {
+  // Labels out of range in epoch 1, batch 2: torch's own "Target 10 is out of bounds." with where it happened.
+  using volt::Stage;
+  struct Labels : vt::RegressorImpl {
+    int64_t bad_epoch = 1, bad_batch = 2;
+    Stage bad_stage = Stage::train;
+    torch::nn::Linear head{nullptr};
+    Labels() { head = register_module("head", torch::nn::Linear(4, 10)); }
+    torch::Tensor loss(const torch::data::Example<>& b, volt::Context& ctx) {
+      auto target = torch::zeros({b.data.size(0)}, torch::kLong);
+      if (ctx.stage() == bad_stage && ctx.current_epoch() == bad_epoch && ctx.batch_idx() == bad_batch) target.fill_(10);
+      return torch::nn::functional::cross_entropy(head(b.data), target);
+    }
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) { return loss(b, ctx); }
+    void validation_step(const torch::data::Example<>& b, volt::Context& ctx) { ctx.log("val", loss(b, ctx)); }
+    void test_step(const torch::data::Example<>& b, volt::Context& ctx) { ctx.log("t", loss(b, ctx)); }
+  };
+  auto [x, y] = vt::regression_data(32);
+  auto message = [](auto&& run) -> std::pair<std::string, std::string> {
+    try {
+      run();
+    } catch (const volt::StepError& e) {
+      std::string inner;
+      try {
+        std::rethrow_if_nested(e);
+      } catch (const std::exception& original) {
+        inner = original.what();
+      }
+      return {e.what(), inner};
+    }
+    return {"no StepError", ""};
+  };
+
+  SECTION("training_step") {
+    Labels m;
+    volt::Trainer<> t({.max_epochs = 3});
+    const auto [what, inner] = message([&] { t.fit(m, make_loader(x, y, 8)); });
+    CHECK_THAT(what, Contains("volt: training_step failed in epoch 1, batch 2 (global step 6): ") &&
+                         Contains("Target 10 is out of bounds"));
+    CHECK_THAT(inner, Contains("Target 10 is out of bounds"));  // torch's own error, nested
+    CHECK(t.global_step() == 6);
+  }
+  SECTION("validation_step, in the fit and in its sanity check") {
+    Labels m;
+    m.bad_stage = Stage::validate;
+    volt::Trainer<> t({.max_epochs = 3, .num_sanity_val_steps = 0});
+    CHECK_THAT(message([&] { t.fit(m, make_loader(x, y, 8), make_loader(x, y, 8)); }).first,
+               Contains("volt: validation_step failed in validate batch 2 (training epoch 1): ") &&
+                   Contains("Target 10 is out of bounds"));
+    Labels m2;
+    m2.bad_stage = Stage::sanity_check, m2.bad_epoch = 0, m2.bad_batch = 1;
+    volt::Trainer<> t2({.max_epochs = 1});
+    CHECK_THAT(message([&] { t2.fit(m2, make_loader(x, y, 8), make_loader(x, y, 8)); }).first,
+               Contains("volt: validation_step failed in sanity_check batch 1 (training epoch 0)"));
+  }
+  SECTION("test_step") {
+    Labels m;
+    m.bad_stage = Stage::test, m.bad_epoch = 0, m.bad_batch = 3;
+    volt::Trainer<> t;
+    CHECK_THAT(message([&] { t.test(m, make_loader(x, y, 8)); }).first,
+               Contains("volt: test_step failed in test batch 3: ") && Contains("Target 10 is out of bounds"));
+  }
 }
 
 TEST_CASE("an empty training or validation loader is said when fit starts", "[trainer]") {
   auto [x, y] = vt::regression_data(16);
   const std::vector<torch::data::Example<>> none;
-  std::ostringstream err;
-  auto* old = std::cerr.rdbuf(err.rdbuf());
+  CaptureCerr err;
   vt::Regressor m;
   volt::Trainer<> t({.max_epochs = 2});
   t.fit(m, none);
   const std::string train_msg = err.str();
-  err.str("");
+  err.clear();
   volt::Trainer<> t2({.max_epochs = 2});
   t2.fit(m, make_loader(x, y, 8), none);
   const std::string val_msg = err.str();
-  std::cerr.rdbuf(old);
   CHECK_THAT(train_msg, Contains("no training batches") && Contains("the training loader is empty"));
   CHECK(t.global_step() == 0);
   CHECK_THAT(val_msg, Contains("validation loader given to fit is empty"));

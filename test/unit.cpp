@@ -183,6 +183,39 @@ TEST_CASE("DDP at world size 1 (MPI singleton, real reducer) trains as SingleDev
   CHECK(volt::detail::MpiRuntime::instance().initialized());
 }
 
+TEST_CASE("SingleDevice refuses to run as one of several processes of an mpirun, srun or torchrun job",
+          "[unit][dist]") {
+  auto single = [] { volt::Trainer<> t; };
+  SECTION("Open MPI, 2 processes") {
+    EnvGuard g;
+    g.set("OMPI_COMM_WORLD_SIZE", "2");
+    g.set("OMPI_COMM_WORLD_RANK", "1");
+    CHECK_THROWS_WITH(single(), Contains("SingleDevice trains in one process, but Open MPI started 2 (this is rank 1)") &&
+                                    Contains("DDP<Script> with devices x num_nodes = 2"));
+  }
+  SECTION("torchrun, 4 processes") {
+    EnvGuard g;
+    g.set("WORLD_SIZE", "4");
+    g.set("RANK", "0");
+    CHECK_THROWS_WITH(single(), Contains("torchrun started 4"));
+  }
+  SECTION("one process of a job, or a process volt's own launcher started, is fine") {
+    EnvGuard g;
+    g.set("OMPI_COMM_WORLD_SIZE", "1");
+    g.set("OMPI_COMM_WORLD_RANK", "0");
+    CHECK_NOTHROW(single());
+    g.set("OMPI_COMM_WORLD_SIZE", "2");
+    g.set("VOLT_LAUNCH_ROLE", "spawn");
+    CHECK_NOTHROW(single());
+  }
+}
+
+// Run by CTest under a real `mpirun -np 2` (unit.single_device_under_mpirun), not with the other [unit] cases.
+TEST_CASE("under mpirun -np 2, a SingleDevice Trainer says so on every rank", "[.mpirun_single]") {
+  REQUIRE(std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr);
+  CHECK_THROWS_WITH(volt::Trainer<>(), Contains("SingleDevice trains in one process, but Open MPI started 2"));
+}
+
 TEST_CASE("Spawn refuses to run inside a job started by mpirun", "[unit][dist]") {
   {
     EnvGuard g;

@@ -179,6 +179,40 @@ inline void write_atomic(const std::string& path, const char* data, std::size_t 
   detail::fsync_dir(dir);
 }
 
+/// Checks, before any training, that checkpoints can be written into `folder`: it exists or can be created, a
+/// small file can be written there, flushed to the disk and removed, and the disk has at least `min_bytes` free
+/// (a checkpoint holds at least the weights). `who` names the caller in the message. Throws CheckpointError
+/// naming the folder and the fault (a read-only or full disk is found now, not after the first epoch).
+inline void check_writable(const std::string& folder, std::uintmax_t min_bytes, const std::string& who) {
+  const std::filesystem::path dir(folder.empty() ? "." : folder);
+  auto fail = [&](const std::string& why) {
+    throw CheckpointError("volt: " + who + " cannot write checkpoints into " + dir.string() + ": " + why +
+                          ". Give a folder on a writable disk with room (dirpath, or default_root_dir), before "
+                          "training starts.");
+  };
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) fail("the folder cannot be created (" + ec.message() + ")");
+  const std::string probe = (dir / (".volt-write-check." + std::to_string(::getpid()))).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(std::string("a file cannot be created there (") + std::strerror(errno) + ")");
+  const std::vector<char> block(4096, 0);
+  errno = 0;
+  const bool written = ::write(fd, block.data(), block.size()) == static_cast<ssize_t>(block.size());
+  const int write_errno = written ? 0 : (errno != 0 ? errno : ENOSPC);
+  const bool flushed = written && ::fsync(fd) == 0;
+  const int flush_errno = flushed ? 0 : errno;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  if (!written) fail(std::string("writing 4 KiB there failed (") + std::strerror(write_errno) + ")");
+  if (!flushed) fail(std::string("flushing 4 KiB there failed (") + std::strerror(flush_errno) + ")");
+  const std::filesystem::space_info room = std::filesystem::space(dir, ec);
+  if (!ec && room.available < min_bytes) {
+    fail("the disk has " + std::to_string(room.available) + " bytes free and one checkpoint needs at least " +
+         std::to_string(min_bytes) + " (the weights alone)");
+  }
+}
+
 /// Stamps `contents` with the format, the versions and its checksum, and writes it atomically.
 inline void save(const std::string& path, Dict contents) {
   contents.insert_or_assign("format", std::string(kFormat));

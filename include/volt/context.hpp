@@ -15,6 +15,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -168,6 +169,42 @@ struct LoopState {
   const std::type_info* batch_type = nullptr;        // for messages
   Collectives* collectives = nullptr;                // the strategy's, set when a run starts
 };
+
+}  // namespace detail
+
+/// An exception thrown by a module's step, with where it was thrown: the step, the stage, the epoch, the batch
+/// and the rank (`volt: training_step failed in epoch 2, batch 17 (global step 81): Target 10 is out of bounds.`).
+/// The original exception is nested in it (`std::rethrow_if_nested` gives it back).
+class StepError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+
+/// Runs a module's step `f`; an exception from it comes out as a StepError that says where, with the original
+/// nested (`step`: "training_step", ...).
+template <class F>
+decltype(auto) run_module_step(const LoopState& state, const char* step, F&& f) {
+  try {
+    return f();
+  } catch (const StepError&) {
+    throw;  // already says where
+  } catch (const std::exception& e) {
+    std::string where = std::string("volt: ") + step + " failed in ";
+    if (state.stage == Stage::train) {
+      where += "epoch " + std::to_string(state.current_epoch) + ", batch " + std::to_string(state.batch_idx) +
+               " (global step " + std::to_string(state.global_step) + ")";
+    } else {
+      where += std::string(to_string(state.stage)) + " batch " + std::to_string(state.batch_idx);
+      if (state.stage == Stage::validate || state.stage == Stage::sanity_check) {
+        where += " (training epoch " + std::to_string(state.current_epoch) + ")";
+      }
+    }
+    if (state.world_size > 1) where += " on rank " + std::to_string(state.global_rank);
+    std::throw_with_nested(StepError(where + ": " + e.what()));
+  }
+}
 
 }  // namespace detail
 

@@ -148,7 +148,7 @@ class Trainer {
       }
       return FitResult{callback_metric_values(), best_model_path()};
     };
-    detail::FitTransfer<module_impl_t<M>> transfer{&detail::unwrap(module)};
+    detail::FitTransfer<module_impl_t<M>> transfer{&detail::unwrap(module), &state_.current_epoch, &state_.global_step};
     try {
       return strategy_.launch(body, transfer);
     } catch (const Interrupted& stop) {  // a stop signal: the checkpoint is written (SignalOptions)

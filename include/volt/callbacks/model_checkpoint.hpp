@@ -112,12 +112,19 @@ class ModelCheckpoint {
 
   // ---- hooks ----------------------------------------------------------------------------------------
 
+  /// At fit start: the folder, and on rank zero a check that checkpoints can be written there (a read-only or
+  /// full disk stops the fit now, not at the first save).
   template <class T, class M>
-  void setup(T& trainer, M&, Stage stage) {
+  void setup(T& trainer, M& module, Stage stage) {
     if (stage != Stage::train) return;
     dirpath_ = folder(trainer).string();
     global_zero_ = trainer.is_global_zero();
     warned_missing_monitor_ = false;
+    if (!global_zero_ || trainer.fast_dev_run()) return;
+    std::uintmax_t weights = 0;
+    for (const auto& t : module.parameters()) weights += t.nbytes();
+    for (const auto& t : module.buffers()) weights += t.nbytes();
+    checkpoint::check_writable(dirpath_, weights, "ModelCheckpoint");
   }
 
   template <class T, class M, class B>

@@ -22,6 +22,8 @@
 namespace volt {
 
 /// Training progress on rank zero: epoch, step/total, it/s, ETA and the progress-bar metrics.
+/// it/s counts the training batches this process ran over the time they took: validation inside the epoch and
+/// the batches a resumed fit skips are not in it.
 /// On a terminal the line is redrawn in place (at most `redraws_per_second` times); otherwise (a log file,
 /// CI) plain lines are printed about every tenth of an epoch and at its end. Reading metric values waits
 /// for the device, so redraws are throttled rather than done every step.
@@ -46,13 +48,22 @@ class ProgressBar {
     if (!trainer.is_global_zero()) return;
     epoch_start_ = last_draw_ = Clock::now();
     total_ = trainer.num_training_batches();
-    done_ = 0;
+    done_ = ran_ = 0;
+    paused_ = Clock::duration::zero();
+    in_epoch_ = true;
     next_plain_ = total_ > 0 ? std::max<int64_t>(1, total_ / 10) : 50;
+  }
+
+  /// The clock starts at the epoch's first batch this process runs (after a resume's skipped batches).
+  template <class T, class M, class B>
+  void on_train_batch_start(T& trainer, M&, const B&, int64_t) {
+    if (trainer.is_global_zero() && ran_ == 0) epoch_start_ = last_draw_ = Clock::now();
   }
 
   template <class T, class M, class L, class B>
   void on_train_batch_end(T& trainer, M&, const L&, const B&, int64_t batch_idx) {
     if (!trainer.is_global_zero()) return;
+    ++ran_;
     const int64_t done = done_ = batch_idx + 1;
     const auto now = Clock::now();
     if (plain_) {
@@ -68,6 +79,17 @@ class ProgressBar {
   void on_train_epoch_end(T& trainer, M&) {
     if (!trainer.is_global_zero()) return;
     draw(trainer, done_, Clock::now(), /*final=*/true);
+    in_epoch_ = false;
+  }
+
+  /// Validation inside a training epoch pauses the rate's clock.
+  template <class T, class M>
+  void on_validation_start(T& trainer, M&) {
+    if (in_epoch_ && trainer.is_global_zero()) validation_start_ = Clock::now();
+  }
+  template <class T, class M>
+  void on_validation_end(T& trainer, M&) {
+    if (in_epoch_ && trainer.is_global_zero()) paused_ += Clock::now() - validation_start_;
   }
 
   template <class T, class M>
@@ -99,7 +121,8 @@ class ProgressBar {
   template <class T>
   void draw(const T& trainer, int64_t done, Clock::time_point now, bool final) {
     const double elapsed = seconds(now - epoch_start_);
-    const double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0.0;
+    const double training = elapsed - seconds(paused_);
+    const double rate = training > 0 ? static_cast<double>(ran_) / training : 0.0;
     std::ostringstream line;
     line << "Epoch " << trainer.current_epoch();
     if (trainer.max_epochs() > 0) line << "/" << trainer.max_epochs() - 1;
@@ -134,9 +157,14 @@ class ProgressBar {
   Options options_;
   std::ostream* out_;
   bool plain_;
-  Clock::time_point epoch_start_{}, last_draw_{};
+  Clock::time_point epoch_start_{}, last_draw_{}, validation_start_{};
+  /// Time spent validating inside the running epoch.
+  Clock::duration paused_{};
+  bool in_epoch_ = false;
   int64_t total_ = -1;
+  /// The position in the epoch (the last batch's index + 1) and the batches this process ran in it.
   int64_t done_ = 0;
+  int64_t ran_ = 0;
   int64_t next_plain_ = 50;
   std::size_t last_width_ = 0;
 };

@@ -51,6 +51,15 @@ inline std::optional<int> env_int(const char* name) {
 }
 }  // namespace detail
 
+/// Set (through MPI_Info "env") in the processes volt's launchers start: "script" or "spawn".
+inline constexpr const char* kRoleVariable = "VOLT_LAUNCH_ROLE";
+
+/// The role volt's launcher gave this process; "" when it was not started by one.
+inline std::string launch_role() {
+  const char* v = std::getenv(kRoleVariable);
+  return v == nullptr ? std::string() : std::string(v);
+}
+
 /// Reads the environment. Open MPI first (it also covers processes spawned by volt's launchers), then
 /// SLURM (inside an `srun` step), then torchrun.
 inline Environment detect() {

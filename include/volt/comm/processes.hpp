@@ -4,6 +4,7 @@
 /// of: this process's place (`Processes`), the role a launcher gave it (`VOLT_LAUNCH_ROLE`), running a body as a
 /// rank so that a failure reaches the other ranks, and starting copies of this program (`MPI_Comm_spawn`).
 
+#include "volt/cluster/environment.hpp"
 #include "volt/cluster/signals.hpp"
 #include "volt/comm/runtime.hpp"
 
@@ -32,13 +33,9 @@ struct Processes {
   static Processes of(MpiGroup& g) { return {g.rank(), g.size(), g.local_rank(), g.node_rank(), &g}; }
 };
 
-/// Set (through MPI_Info "env") in the processes volt's launchers start: "script" or "spawn".
-inline constexpr const char* kRoleVariable = "VOLT_LAUNCH_ROLE";
-
-inline std::string launch_role() {
-  const char* v = std::getenv(kRoleVariable);
-  return v == nullptr ? std::string() : std::string(v);
-}
+// The role a launcher gave this process (VOLT_LAUNCH_ROLE): cluster/environment.hpp.
+using cluster::kRoleVariable;
+using cluster::launch_role;
 
 /// Runs `body` as this process's rank. An exception other than RankFailure is announced to the other
 /// members before it propagates, so they stop waiting and end with its message.

@@ -153,6 +153,13 @@ detail::ResumePoint Trainer<S, P, A, Cs...>::restore(Impl& module, TL& train_loa
     train_store_.entries().push_back(std::move(e));
   }
   const detail::ResumePoint& p = r.point;
+  if (strategy_.is_global_zero()) {  // where the fit goes on, as Lightning's "Restored all states from ..."
+    std::cerr << "volt: resuming from " << path << ": epoch " << p.epoch << ", global step " << p.global_step << ", "
+              << (p.epoch_finished        ? "at the end of the epoch"
+                  : p.batch_in_epoch == 0 ? "at the start of the epoch"
+                                          : "after batch " + std::to_string(p.batch_in_epoch - 1) + " of the epoch")
+              << (p.val_pending ? " (its validation runs first)" : "") << ".\n";
+  }
   if (!p.loader_positioned && p.world_size != strategy_.world_size() && p.batch_in_epoch > 0 && !p.epoch_finished &&
       strategy_.is_global_zero()) {
     std::cerr << "volt: " << path << " was saved mid-epoch on " << p.world_size << " ranks and resumes on "

@@ -2,8 +2,9 @@
 /// \file
 /// `FitResult`, and how it travels from a Spawn worker to the main process together with the trained
 /// weights: rank 0 packs its module's parameters and buffers (LibTorch's serialize archive), its callback
-/// metrics and best checkpoint path into bytes; the main process unpacks them into its own module (on CPU:
-/// the main process builds no device) and returns the rest.
+/// metrics, best checkpoint path and the fit's counters (epoch, optimizer step) into bytes; the main process
+/// unpacks them into its own module (on CPU: the main process builds no device) and its Trainer's counters, so
+/// `current_epoch()` and `global_step()` read the same there as in the workers, and returns the rest.
 
 #include <torch/nn/module.h>
 #include <torch/serialize/input-archive.h>
@@ -34,6 +35,9 @@ struct NoTransfer {};
 template <class Impl>
 struct FitTransfer {
   Impl* module;
+  /// The Trainer's completed epochs and optimizer steps: written by rank 0, read back by the main process.
+  int64_t* current_epoch = nullptr;
+  int64_t* global_step = nullptr;
 
   std::string pack(const FitResult& result) const {
     torch::serialize::OutputArchive archive;
@@ -48,6 +52,8 @@ struct FitTransfer {
       out.append(reinterpret_cast<const char*>(&value), sizeof value);
     }
     put(out, result.best_model_path);
+    put_u64(out, static_cast<uint64_t>(current_epoch != nullptr ? *current_epoch : 0));
+    put_u64(out, static_cast<uint64_t>(global_step != nullptr ? *global_step : 0));
     return out;
   }
 
@@ -69,6 +75,10 @@ struct FitTransfer {
       result.metrics.emplace(std::move(name), value);
     }
     result.best_model_path = get(bytes, at);
+    const auto epoch = static_cast<int64_t>(get_u64(bytes, at));
+    const auto step = static_cast<int64_t>(get_u64(bytes, at));
+    if (current_epoch != nullptr) *current_epoch = epoch;
+    if (global_step != nullptr) *global_step = step;
     return result;
   }
 

@@ -19,6 +19,7 @@ struct ValidationKind {
   using end = hooks::on_validation_end;
   /// Its epoch values reach callback_metrics and loggers (except in the sanity check).
   static constexpr bool publishes = true;
+  static constexpr const char* step_name = "validation_step";
   template <class M, class B>
   static auto step(M& m, B& b, Context& ctx) -> decltype(m.validation_step(b, ctx)) {
     return m.validation_step(b, ctx);
@@ -33,6 +34,7 @@ struct TestKind {
   using epoch_end = hooks::on_test_epoch_end;
   using end = hooks::on_test_end;
   static constexpr bool publishes = true;
+  static constexpr const char* step_name = "test_step";
   template <class M, class B>
   static auto step(M& m, B& b, Context& ctx) -> decltype(m.test_step(b, ctx)) {
     return m.test_step(b, ctx);
@@ -48,6 +50,7 @@ struct PredictKind {
   using end = hooks::on_predict_end;
   /// Predict logs nothing; its results are returned.
   static constexpr bool publishes = false;
+  static constexpr const char* step_name = "predict_step";
   template <class M, class B>
   static auto step(M& m, B& b, Context& ctx) -> decltype(m.predict_step(b, ctx)) {
     return m.predict_step(b, ctx);

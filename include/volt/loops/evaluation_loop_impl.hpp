@@ -41,7 +41,9 @@ void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, 
   detail::for_each_batch(loader, limit, [&](auto&& batch, int64_t idx, bool) {
     enter_batch(batch, idx);
     hook<typename Kind::batch_start>(module, ctx, batch, idx);
-    auto out = run_eval_step(batch, [&](auto& b) { return Kind::step(module, b, ctx); });
+    auto out = run_eval_step(batch, [&](auto& b) {
+      return detail::run_module_step(state_, Kind::step_name, [&] { return Kind::step(module, b, ctx); });
+    });
     decltype(auto) kept = sink(out);
     hook<typename Kind::batch_end>(module, ctx, kept, batch, idx);
     leave_batch();

@@ -44,7 +44,7 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, B& batch, 
 
   torch::Tensor loss = with_device_batch(batch, [&](auto& b) -> torch::Tensor {
     [[maybe_unused]] auto guard = precision_.forward_context(A::device_type);
-    return module.training_step(b, ctx);
+    return detail::run_module_step(state_, "training_step", [&] { return module.training_step(b, ctx); });
   });
 
   if (loss.defined()) {  // an undefined loss skips this batch's optimization, as returning None in Lightning
@@ -55,7 +55,7 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, B& batch, 
     const torch::Tensor scaled = k > 1 ? loss / static_cast<double>(k) : loss;
     hook<detail::hooks::on_before_backward>(module, ctx, scaled);
     strategy_.pre_backward(steps);
-    precision_.backward(scaled);
+    detail::run_module_step(state_, "the backward pass of training_step's loss", [&] { precision_.backward(scaled); });
     strategy_.post_backward();
     hook<detail::hooks::on_after_backward>(module, ctx);
 

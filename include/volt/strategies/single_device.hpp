@@ -2,6 +2,7 @@
 /// \file
 /// `volt::SingleDevice`: the default strategy.
 
+#include "volt/cluster/environment.hpp"
 #include "volt/options.hpp"
 #include "volt/strategies/concept.hpp"
 
@@ -28,6 +29,16 @@ class SingleDevice : public StrategyDefaults {
     }
     if (available < 1) {
       throw ConfigError(std::string("volt: SingleDevice needs one ") + accelerator + " device, but none is available.");
+    }
+    // mpirun -np 2 (or srun, torchrun) around a SingleDevice program: every process would train the whole model
+    // alone and write into the same folders. Not in the processes volt's own launchers start.
+    const cluster::Environment env = cluster::detect();
+    if (env.world_size > 1 && cluster::launch_role().empty()) {
+      throw ConfigError("volt: SingleDevice trains in one process, but " + std::string(cluster::to_string(env.source)) +
+                        " started " + std::to_string(env.world_size) + " (this is rank " + std::to_string(env.rank) +
+                        "): each would train the whole model alone and write into the same folders. Use "
+                        "DDP<Script> with devices x num_nodes = " + std::to_string(env.world_size) +
+                        " to train together, or start one process.");
     }
   }
 

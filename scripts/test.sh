@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds everything and runs the whole test suite through CTest.
-#   bash scripts/test.sh [--torch 1.13|2.11] [ctest arguments...]
+#   bash scripts/test.sh [--torch 1.13|2.11] [--sanitize] [ctest arguments...]
 # --torch 1.13 (the default): Debian's libtorch-dev, in build/.
 # --torch 2.11: pip's torch 2.11 (LibTorch with CUDA, run here on the CPU; scripts/install-torch.sh puts it in a
 #               virtual environment once), in build-torch2.11/. Needs the CUDA toolkit (nvcc) to configure.
+# --sanitize:   the unit, trainer and checkpoint tests built with AddressSanitizer and UndefinedBehaviorSanitizer
+#               (in build-sanitize/, or build-sanitize-torch<lane>/), and only those run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lane=1.13
+sanitize=0
 ctest_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --torch) lane=$2; shift 2 ;;
     --torch=*) lane=${1#--torch=}; shift ;;
+    --sanitize) sanitize=1; shift ;;
     *) ctest_args+=("$1"); shift ;;
   esac
 done
@@ -28,6 +32,18 @@ else
   torch_dir=$(bash scripts/install-torch.sh "$lane")
   build=build-torch$lane
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir"
+fi
+if [ "$sanitize" = 1 ]; then
+  sbuild=build-sanitize${build#build}
+  cmake -S . -B "$sbuild" -DCMAKE_BUILD_TYPE=Release -DVOLT_SANITIZE=ON -DVOLT_BUILD_BENCH=OFF \
+        -DVOLT_BUILD_EXAMPLES=OFF ${torch_dir:+-DCMAKE_PREFIX_PATH="$torch_dir"}
+  cmake --build "$sbuild" -j2 --target volt_tests
+  # LibTorch and Open MPI keep allocations for the process's life (no leak checking); Open MPI's own malloc hooks
+  # are left out, as AddressSanitizer owns malloc.
+  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    OMPI_MCA_memory=^patcher \
+    ctest --test-dir "$sbuild" --output-on-failure -j2 -R '^(unit|trainer|checkpoint)$' ${ctest_args[@]+"${ctest_args[@]}"}
+  exit
 fi
 cmake --build "$build" -j2
 ctest --test-dir "$build" --output-on-failure -j2 ${ctest_args[@]+"${ctest_args[@]}"}

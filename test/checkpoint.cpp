@@ -128,6 +128,20 @@ struct WideImpl : torch::nn::Module {
 TORCH_MODULE(Wide);
 }  // namespace
 
+TEST_CASE("every input the checkpoint fuzzer kept is refused with a CheckpointError", "[checkpoint][fuzz]") {
+  // test/fuzz/regressions/bytes: files that once made the reader fault (scripts/fuzz.sh replays them under
+  // libFuzzer too; here they also run in every lane, and under the sanitizer lane's AddressSanitizer).
+  const fs::path kept = fs::path(__FILE__).parent_path() / "fuzz" / "regressions" / "bytes";
+  REQUIRE(fs::is_directory(kept));
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(kept)) {
+    INFO(e.path());
+    CHECK_THROWS_AS(volt::checkpoint::read(e.path().string()), volt::CheckpointError);
+    ++n;
+  }
+  CHECK(n > 0);
+}
+
 TEST_CASE("resuming checks the module, the loader and the optimizer before loading anything", "[checkpoint]") {
   const fs::path dir = scratch("mismatch");
   vt::Regressor model;

@@ -33,6 +33,9 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/version.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -138,6 +141,83 @@ inline void fsync_dir(const std::filesystem::path& dir) {
   }
 }
 
+/// Hands a checkpoint's bytes to LibTorch's zip reader, copying only what is there. (LibTorch's own VectorReader,
+/// behind `torch::pickle_load`, copies whatever range the reader asks for, also past the end of a damaged file's
+/// bytes: a heap overflow that fuzzing found with a file whose zip directory points beyond its end.)
+class BoundedReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit BoundedReader(const std::vector<char>& bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<size_t>(n, bytes_.size() - static_cast<size_t>(pos));
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  const std::vector<char>& bytes_;
+};
+
+/// Walks a pickle's opcodes and throws when a length field asks for more bytes than the pickle has left.
+/// (LibTorch's Unpickler sizes its buffer from such a field before reading: a damaged 20 KB file asked for a
+/// 4 GB string, which fuzzing found.) Opcodes it does not know end the walk; the Unpickler judges the rest.
+inline void check_pickle_lengths(const char* p, std::size_t size) {
+  std::size_t at = 0;
+  auto need = [&](std::size_t n) {
+    if (n > size - at) {
+      throw std::runtime_error("a length in the pickle asks for " + std::to_string(n) + " bytes at byte " +
+                               std::to_string(at) + " of " + std::to_string(size));
+    }
+  };
+  auto number = [&](int width) {  // little-endian, as pickle writes lengths
+    need(static_cast<std::size_t>(width));
+    uint64_t v = 0;
+    for (int i = width - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[at + i]);
+    at += static_cast<std::size_t>(width);
+    return v;
+  };
+  auto skip = [&](uint64_t n) {
+    need(static_cast<std::size_t>(std::min<uint64_t>(n, SIZE_MAX)));
+    at += static_cast<std::size_t>(n);
+  };
+  auto line = [&] {
+    const void* nl = std::memchr(p + at, '\n', size - at);
+    if (nl == nullptr) throw std::runtime_error("a pickle line has no end");
+    at = static_cast<std::size_t>(static_cast<const char*>(nl) - p) + 1;
+  };
+  while (at < size) {
+    const auto op = static_cast<unsigned char>(p[at++]);
+    switch (op) {
+      case '.': return;  // STOP
+      case 'K': case 'h': case 'q': case 0x80: case 0x82: skip(1); break;  // one-byte arguments
+      case 'M': case 0x83: skip(2); break;
+      case 'J': case 'j': case 'r': case 0x84: skip(4); break;
+      case 'G': case 0x95: skip(8); break;  // BINFLOAT, FRAME
+      case 'U': case 'C': case 0x8a: case 0x8c: skip(number(1)); break;  // short strings, bytes, LONG1
+      case 'T': case 'X': case 'B': case 0x8b: skip(number(4)); break;   // strings, bytes, LONG4
+      case 0x8d: case 0x8e: case 0x96: skip(number(8)); break;           // 8-byte lengths
+      case 'F': case 'I': case 'L': case 'P': case 'S': case 'V': case 'g': case 'p': line(); break;
+      case 'c': case 'i': line(); line(); break;  // GLOBAL, INST: module and name
+      case '(': case '0': case '1': case '2': case 'N': case 'Q': case 'R': case 'a': case 'b': case 'd': case '}':
+      case 'e': case 'l': case ']': case 'o': case 's': case 't': case ')': case 'u': case 0x81: case 0x85:
+      case 0x86: case 0x87: case 0x88: case 0x89: case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93:
+      case 0x94: case 0x97: case 0x98:
+        break;  // no argument
+      default: return;  // not an opcode this knows
+    }
+  }
+}
+
+/// `torch::pickle_load` over a BoundedReader, with the pickle's lengths checked first: the same archive ("data"),
+/// read within its bytes.
+inline c10::IValue unpickle(const std::vector<char>& bytes) {
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedReader>(bytes));
+  const auto [pickle, size] = reader.getRecord("data.pkl");
+  check_pickle_lengths(static_cast<const char*>(pickle.get()), size);
+  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", {}, {}, {}, reader);
+}
+
 }  // namespace detail
 
 /// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename, fsync of the
@@ -231,6 +311,8 @@ inline void save(const std::string& path, Dict contents) {
   write_atomic(path, bytes.data(), bytes.size());
 }
 
+inline Dict decode(const std::vector<char>& bytes, const std::string& path);
+
 /// Reads and checks a checkpoint: a `CheckpointError` names the file and the fault (missing, empty, not a
 /// torch zip archive or cut short, not a volt checkpoint, a newer format, a checksum mismatch).
 inline Dict read(const std::string& path) {
@@ -245,10 +327,15 @@ inline Dict read(const std::string& path) {
   if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) {
     throw CheckpointError("volt: reading the checkpoint " + path + " failed: " + std::strerror(errno));
   }
+  return decode(bytes, path);
+}
+
+/// Checks a checkpoint's bytes as `read` does once it has them (`path` names them in messages).
+inline Dict decode(const std::vector<char>& bytes, const std::string& path) {
   if (bytes.empty()) throw CheckpointError("volt: the checkpoint " + path + " is empty (0 bytes).");
   c10::IValue value;
   try {
-    value = torch::pickle_load(bytes);
+    value = detail::unpickle(bytes);
   } catch (const std::exception& e) {
     throw CheckpointError("volt: " + path + " (" + std::to_string(bytes.size()) +
                           " bytes) is not a readable checkpoint: it is cut short or is not a torch.save archive (" +

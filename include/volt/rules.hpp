@@ -13,7 +13,7 @@
 ///
 /// **The three phases of validation.** Every setting is checked as early as it can be known, and said once:
 ///  - **phase (a), compile time**: the Trainer's type. Each slot holds its kind and the rules above hold;
-///    a `static_assert` in `Trainer` says which and how to fix it (volt/trainer.hpp).
+///    a `static_assert` says which and how to fix it (`detail::CheckedSlots` below, which the Trainer instantiates).
 ///  - **phase (b), construction**: the run-time options and this machine. `Trainer`'s constructor checks
 ///    every `TrainerOptions` field (`validate_options`, volt/options.hpp), the accelerator's availability and
 ///    device count, and the strategy's `check_devices` (devices, num_nodes, an outside mpirun/srun job);
@@ -23,9 +23,12 @@
 ///    what depends on the loaders and the module (limits that need a loader's size, the optimizer) is checked then.
 
 #include "volt/accelerators/concept.hpp"
+#include "volt/accelerators/cpu.hpp"
 #include "volt/comm/concept.hpp"
 #include "volt/precision/concept.hpp"
+#include "volt/precision/fp32.hpp"
 #include "volt/strategies/concept.hpp"
+#include "volt/strategies/single_device.hpp"
 
 #include <type_traits>
 
@@ -84,6 +87,83 @@ using bind_strategy_t = typename bind_strategy<S, A>::type;
 /// The three slots hold their kinds; the pairwise rules are only asked when they do (no cascades).
 template <class S, class P, class A>
 inline constexpr bool slots_ok = Strategy<S> && Precision<P> && Accelerator<A>;
+
+/// The three arguments are a strategy, a precision and an accelerator, given in another order.
+template <class S, class P, class A>
+inline constexpr bool slots_permuted = !slots_ok<S, P, A> && (slots_ok<S, A, P> || slots_ok<P, S, A> ||
+                                                              slots_ok<P, A, S> || slots_ok<A, S, P> ||
+                                                              slots_ok<A, P, S>);
+
+/// The rules between the slots, in the order they are said.
+enum class Rule { none, fp16_autocast, backend_device, backend_compiled, bf16_autocast };
+
+/// The first rule between the slots that is broken (`none` also when a slot does not hold its kind: that is said
+/// first, and alone).
+template <class S, class P, class A>
+constexpr Rule first_broken_rule() {
+  if constexpr (!slots_ok<S, P, A>) {
+    return Rule::none;
+  } else {
+    using B = bind_strategy_t<S, A>;
+    if (!Fp16AutocastAvailable<P, A>) return Rule::fp16_autocast;
+    if (!BackendRunsOn<B, A>) return Rule::backend_device;
+    if (!BackendCompiledIn<B>) return Rule::backend_compiled;
+    if (!Bf16AutocastAvailable<P, A>) return Rule::bf16_autocast;
+    return Rule::none;
+  }
+}
+
+/// Every slot holds its kind and every rule holds.
+template <class S, class P, class A>
+inline constexpr bool rules_ok = slots_ok<S, P, A> && first_broken_rule<S, P, A>() == Rule::none;
+
+template <bool ok, class S, class A>
+struct bound_strategy_if {
+  using type = SingleDevice;
+};
+template <class S, class A>
+struct bound_strategy_if<true, S, A> {
+  using type = bind_strategy_t<S, A>;
+};
+
+/// Phase (a): the rules as `static_assert`s, each one sentence that names the fix first. Only the first broken
+/// rule speaks (each is asked only when the ones before it hold), and where one is broken the Trainer is built
+/// from stand-ins (SingleDevice, Fp32, CPU), so no error follows the sentence.
+template <class S, class P, class A>
+struct CheckedSlots {
+  static_assert(!slots_permuted<S, P, A>,
+                "volt: write the policies in the order Trainer<Strategy, Precision, Accelerator, Callbacks...>, as "
+                "Trainer<volt::SingleDevice, volt::Fp32, volt::CPU>: these are a strategy, a precision and an "
+                "accelerator in another order.");
+  static_assert(slots_permuted<S, P, A> || Strategy<S>,
+                "volt: give a strategy as the first Trainer argument (SingleDevice, DDP<Script>, DDP<Spawn>, "
+                "ManualParallel<...>): the order is Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
+  static_assert(slots_permuted<S, P, A> || !Strategy<S> || Precision<P>,
+                "volt: give a precision as the second Trainer argument (Fp32, Fp64True, Bf16Mixed, Fp16Mixed, "
+                "Bf16True): the order is Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
+  static_assert(slots_permuted<S, P, A> || !Strategy<S> || !Precision<P> || Accelerator<A>,
+                "volt: give an accelerator as the third Trainer argument (CPU, GPU): the order is "
+                "Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
+  static_assert(first_broken_rule<S, P, A>() != Rule::fp16_autocast,
+                "volt: use Bf16Mixed or Fp32 on the CPU, or the GPU accelerator for Fp16Mixed: this precision "
+                "autocasts to float16, which the accelerator does not offer (CPU has no float16 autocast).");
+  static_assert(first_broken_rule<S, P, A>() != Rule::backend_device,
+                "volt: use volt::Mpi (DDP<Launcher, volt::Mpi>), or leave the backend out (DDP<Script> picks Mpi on "
+                "CPU and Nccl on GPU): the strategy's collective backend (Nccl) reduces CUDA tensors only, and the "
+                "accelerator is CPU.");
+  static_assert(first_broken_rule<S, P, A>() != Rule::backend_compiled,
+                "volt: link the volt::nccl CMake target (it finds nccl.h and libnccl and defines VOLT_WITH_NCCL=1), "
+                "or choose DDP<Launcher, volt::Mpi> to reduce through host memory: this run reduces with NCCL, which "
+                "is not compiled in (VOLT_WITH_NCCL is 0).");
+  static_assert(first_broken_rule<S, P, A>() != Rule::bf16_autocast,
+                "volt: use Fp32, or an accelerator with has_bf16_autocast: this precision autocasts to bfloat16, "
+                "which the accelerator does not offer.");
+
+  static constexpr bool ok = rules_ok<S, P, A>;
+  using strategy = typename bound_strategy_if<ok, S, A>::type;
+  using precision = std::conditional_t<ok, P, Fp32>;
+  using accelerator = std::conditional_t<ok, A, CPU>;
+};
 
 }  // namespace detail
 }  // namespace volt

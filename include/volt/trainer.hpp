@@ -61,56 +61,45 @@ concept LoggerCallback = requires(C& cb, T& trainer, const std::map<std::string,
 
 template <class S = SingleDevice, class P = Fp32, class A = CPU, class... Callbacks>
 class Trainer {
-  // Phase (a): each slot holds its kind, then the rules between slots (volt/rules.hpp).
-  static_assert(Strategy<S>,
-                "volt: the first Trainer argument must be a strategy (SingleDevice, DDP<Script>, DDP<Spawn>, "
-                "ManualParallel<...>): the order is Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
-  static_assert(Precision<P>,
-                "volt: the second Trainer argument must be a precision (Fp32, Fp64True, Bf16Mixed, Fp16Mixed, "
-                "Bf16True): the order is Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
-  static_assert(Accelerator<A>,
-                "volt: the third Trainer argument must be an accelerator (CPU, GPU): the order is "
-                "Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
+  // Phase (a): each slot holds its kind, then the rules between slots, each said alone (volt/rules.hpp).
+  using checked_ = detail::CheckedSlots<S, P, A>;
   static_assert((Callback<Callbacks> && ...), "volt: every callback must be a movable object type.");
-  static_assert(!detail::slots_ok<S, P, A> || Fp16AutocastAvailable<P, A>,
-                "volt: this precision autocasts to float16, which the accelerator does not offer (CPU has no "
-                "float16 autocast). On CPU use Bf16Mixed or Fp32; for Fp16Mixed use the GPU accelerator.");
-  static_assert(!detail::slots_ok<S, P, A> || BackendRunsOn<detail::bind_strategy_t<S, A>, A>,
-                "volt: the strategy's collective backend (Nccl) reduces CUDA tensors only, and the accelerator is "
-                "CPU. Use volt::Mpi (DDP<Launcher, volt::Mpi>), or leave the backend out: DDP<Script> picks Mpi on "
-                "CPU and Nccl on GPU.");
-  static_assert(!detail::slots_ok<S, P, A> || BackendCompiledIn<detail::bind_strategy_t<S, A>>,
-                "volt: this run reduces with NCCL, which is not compiled in (VOLT_WITH_NCCL is 0). Link the "
-                "volt::nccl CMake target (it finds nccl.h and libnccl and defines VOLT_WITH_NCCL=1), or choose "
-                "DDP<Launcher, volt::Mpi> to reduce through host memory.");
-  static_assert(!detail::slots_ok<S, P, A> || Bf16AutocastAvailable<P, A>,
-                "volt: this precision autocasts to bfloat16, which the accelerator does not offer. Use Fp32 or an "
-                "accelerator with has_bf16_autocast.");
 
  public:
   /// The strategy as it runs on this accelerator (DDP<Spawn> with its backend resolved).
-  using strategy_type = detail::bind_strategy_t<S, A>;
-  using precision_type = P;
-  using accelerator_type = A;
+  using strategy_type = typename checked_::strategy;
+  using precision_type = typename checked_::precision;
+  using accelerator_type = typename checked_::accelerator;
 
   /// Checks every run-time setting against what is allowed and what this machine has (phase (b)); sets up
   /// nothing else until a run starts (phase (c)).
   explicit Trainer(TrainerOptions options = {}, Callbacks... callbacks)
       : options_(std::move(options)), callbacks_(std::move(callbacks)...) {
     validate_options(options_);
-    if (!A::is_available()) {
-      throw ConfigError(std::string("volt: ") + A::name + " requested (devices=" + std::to_string(options_.devices) +
-                        ") but it is not available here: " + A::name + "::device_count() is " +
-                        std::to_string(A::device_count()) +
+    using Acc = accelerator_type;
+    if (!Acc::is_available()) {
+      throw ConfigError(std::string("volt: ") + Acc::name + " requested (devices=" + std::to_string(options_.devices) +
+                        ") but it is not available here: " + Acc::name + "::device_count() is " +
+                        std::to_string(Acc::device_count()) +
                         ". Check the driver and visible devices (CUDA_VISIBLE_DEVICES), or use the CPU accelerator.");
     }
-    if (options_.devices > A::device_count()) {
-      throw ConfigError(std::string("volt: devices=") + std::to_string(options_.devices) + " but " + A::name +
-                        "::device_count() is " + std::to_string(A::device_count()) + " here. Ask for at most " +
-                        std::to_string(A::device_count()) + ".");
+    if (options_.devices > Acc::device_count()) {
+      throw ConfigError(std::string("volt: devices=") + std::to_string(options_.devices) + " but " + Acc::name +
+                        "::device_count() is " + std::to_string(Acc::device_count()) + " here. Ask for at most " +
+                        std::to_string(Acc::device_count()) + ".");
     }
-    strategy_.check_devices(options_, A::device_count(), A::name);
+    strategy_.check_devices(options_, Acc::device_count(), Acc::name);
     apply_fast_dev_run();
+  }
+  /// Callbacks whose types are not the Trainer's callback types: said at compile time, with the fix.
+  template <class... Given>
+    requires(sizeof...(Given) > 0 && !std::is_same_v<std::tuple<std::remove_cvref_t<Given>...>, std::tuple<Callbacks...>>)
+  explicit Trainer(TrainerOptions, Given&&...) {
+    static_assert(detail::dependent_false<std::tuple<Given...>>,
+                  "volt: build the Trainer with volt::make_trainer<Strategy, Precision, Accelerator>(options, "
+                  "callbacks...), which puts the callbacks' types into its type, or list them after the accelerator "
+                  "in the order given (Trainer<S, P, A, volt::ProgressBar, volt::CSVLogger>): the callbacks given are "
+                  "not the Trainer's callback types.");
   }
 
   // ---- runs -------------------------------------------------------------------------------------------
@@ -261,8 +250,8 @@ class Trainer {
   strategy_type& strategy() { return strategy_; }
   const strategy_type& strategy() const { return strategy_; }
   /// The precision object (Fp16Mixed's loss scale).
-  P& precision() { return precision_; }
-  const P& precision() const { return precision_; }
+  precision_type& precision() { return precision_; }
+  const precision_type& precision() const { return precision_; }
   /// The callback of type `C` (the first, if the pack has several).
   template <class C>
   C& callback() { return std::get<C>(callbacks_); }
@@ -287,7 +276,7 @@ class Trainer {
   template <class H, class Impl, class... Args>
   decltype(auto) hook(Impl& module, Context& ctx, Args&&... args);
   // A function, not a constant: its body is a complete-class context, so callbacks may use the Trainer's members.
-  static consteval bool has_loggers() { return (detail::LoggerCallback<Callbacks, Trainer> || ... || false); }
+  static constexpr bool has_loggers() { return (detail::LoggerCallback<Callbacks, Trainer> || ... || false); }
   void send_to_loggers(detail::MetricMap& metrics);
   void flush_loggers();
 
@@ -336,7 +325,7 @@ class Trainer {
   /// The strategy, bound to the accelerator.
   strategy_type strategy_;
   /// The precision, with its state (Fp16Mixed's loss scale).
-  P precision_;
+  precision_type precision_;
   /// The strategy's collectives as Contexts and the logger connector see them (set when a run starts).
   detail::StrategyCollectives<strategy_type> collectives_{nullptr};
 

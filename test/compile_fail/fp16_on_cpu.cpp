@@ -1,3 +1,3 @@
-// expect: float16 autocast.*for Fp16Mixed use the GPU accelerator
+// expect: use Bf16Mixed or Fp32 on the CPU, or the GPU accelerator for Fp16Mixed: .*float16
 #include <volt/volt.hpp>
 int main() { volt::Trainer<volt::SingleDevice, volt::Fp16Mixed, volt::CPU> trainer; }

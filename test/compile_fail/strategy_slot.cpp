@@ -1,3 +1,3 @@
-// expect: first Trainer argument must be a strategy
+// expect: give a strategy as the first Trainer argument
 #include <volt/volt.hpp>
-int main() { volt::Trainer<volt::Fp32, volt::SingleDevice, volt::CPU> trainer; }
+int main() { volt::Trainer<int, volt::Fp32, volt::CPU> trainer; }

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace volt {
@@ -41,6 +42,13 @@ class EarlyStopping {
   /// Runs after the module's epoch-end hook, so it sees what that hook logged.
   static constexpr bool monitors_metrics = true;
 
+  /// There is nothing to watch without a monitor: `EarlyStopping{}` is said at compile time, with the fix.
+  template <class Never = void>
+  EarlyStopping() {
+    static_assert(!std::is_same_v<Never, Never>,
+                  "volt: give EarlyStopping the metric to watch, as EarlyStopping({.monitor = \"val_loss\"}) (with "
+                  ".mode = EarlyStopping::Mode::max for accuracies): it has no default.");
+  }
   explicit EarlyStopping(Options options) : options_(std::move(options)) {
     if (options_.monitor.empty()) {
       throw std::invalid_argument("volt: EarlyStopping needs a metric to monitor (Options::monitor is empty).");

@@ -349,11 +349,22 @@ struct ResumeState {
 /// the scheduler count, the training loader's position (for a loader that keeps one), the gradients'
 /// count. Throws `CheckpointError` naming the file and the fault; changes nothing.
 template <class TrainLoader>
+ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn::Module& module,
+                            const TrainLoader& train_loader, std::size_t num_params, bool has_scheduler, int rank);
+
+template <class TrainLoader>
 ResumeState read_for_resume(const std::string& path, const torch::nn::Module& module, const TrainLoader& train_loader,
                             std::size_t num_params, bool has_scheduler, int rank) {
+  return resume_state_of(read(path), path, module, train_loader, num_params, has_scheduler, rank);
+}
+
+/// The checks of `read_for_resume` on a checkpoint already read and checked as a file (`read`, `decode`).
+template <class TrainLoader>
+ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn::Module& module,
+                            const TrainLoader& train_loader, std::size_t num_params, bool has_scheduler, int rank) {
   ResumeState r;
   r.path = path;
-  r.file = read(path);
+  r.file = std::move(file);
   const Dict& d = r.file;
   r.weights = entry(d, keys::state_dict, path).toGenericDict();
   check_module_state(module, r.weights, path);

@@ -48,4 +48,17 @@ concept Launcher = std::default_initializable<L> &&
       l.launch(spec, procs, detail::LauncherProbeBody{}, none);
     };
 
+namespace detail {
+/// Stands in for a launcher slot that holds something else, after the strategy's static_assert has said so: it
+/// meets the concept, so no error follows that sentence; it is never run.
+struct NotALauncher {
+  static constexpr const char* name = "(not a launcher)";
+  static constexpr bool joins_external_jobs = false;
+  template <class F, class T>
+  auto launch(const LaunchSpec&, Processes&, F&& body, T*) -> decltype(body()) {
+    return body();
+  }
+};
+}  // namespace detail
+
 }  // namespace volt

@@ -55,7 +55,7 @@ void Trainer<S, P, A, Cs...>::setup_run(torch::nn::Module& module) {
     at::globalContext().setBenchmarkCuDNN(false);
     ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   }
-  strategy_.setup_environment(A::device(strategy_.local_rank()));
+  strategy_.setup_environment(accelerator_type::device(strategy_.local_rank()));
   state_.device = strategy_.root_device();
   state_.global_rank = strategy_.global_rank();
   state_.world_size = strategy_.world_size();
@@ -96,15 +96,15 @@ void Trainer<S, P, A, Cs...>::leave_batch() {
 template <class S, class P, class A, class... Cs>
 template <class B, class F>
 decltype(auto) Trainer<S, P, A, Cs...>::with_device_batch(B& batch, F&& f) {
-  constexpr bool moves = A::device_type != c10::DeviceType::CPU;
-  if constexpr (moves || P::converts_inputs) {
+  constexpr bool moves = accelerator_type::device_type != c10::DeviceType::CPU;
+  if constexpr (moves || precision_type::converts_inputs) {
     auto prepared = [&] {
-      if constexpr (moves && P::converts_inputs) {
-        return batch_to_floating_dtype(batch_to_device(batch, state_.device), P::input_dtype);
+      if constexpr (moves && precision_type::converts_inputs) {
+        return batch_to_floating_dtype(batch_to_device(batch, state_.device), precision_type::input_dtype);
       } else if constexpr (moves) {
         return batch_to_device(batch, state_.device);
       } else {
-        return batch_to_floating_dtype(batch, P::input_dtype);
+        return batch_to_floating_dtype(batch, precision_type::input_dtype);
       }
     }();
     return f(prepared);
@@ -118,7 +118,7 @@ template <class S, class P, class A, class... Cs>
 template <class B, class F>
 auto Trainer<S, P, A, Cs...>::run_eval_step(B& batch, F&& step) {
   return with_device_batch(batch, [&](auto& b) {
-    [[maybe_unused]] auto guard = precision_.forward_context(A::device_type);
+    [[maybe_unused]] auto guard = precision_.forward_context(accelerator_type::device_type);
     if constexpr (std::is_void_v<decltype(step(b))>) {
       step(b);
       return torch::Tensor();

@@ -43,7 +43,7 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, B& batch, 
   torch::optim::Optimizer& optimizer = *optim_.optimizer;
 
   torch::Tensor loss = with_device_batch(batch, [&](auto& b) -> torch::Tensor {
-    [[maybe_unused]] auto guard = precision_.forward_context(A::device_type);
+    [[maybe_unused]] auto guard = precision_.forward_context(accelerator_type::device_type);
     return detail::run_module_step(state_, "training_step", [&] { return module.training_step(b, ctx); });
   });
 

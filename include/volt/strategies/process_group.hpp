@@ -17,19 +17,27 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace volt {
 
 namespace detail {
 
+/// The launcher slot of DDP<...>/ManualParallel<...>: L, or a stand-in after the one sentence that says L is
+/// none (a class per L, so the sentence comes once however many strategies name it).
+template <class L>
+struct CheckedLauncher {
+  static_assert(Launcher<L>, "volt: give DDP<...>/ManualParallel<...> a launcher as its first argument, as "
+                             "DDP<volt::Script> or DDP<volt::Spawn, volt::Mpi>: Script (every process runs the "
+                             "program) or Spawn (fit runs in fresh workers).");
+  using type = std::conditional_t<Launcher<L>, L, NotALauncher>;
+};
+
 template <class L, class B>
 class ProcessGroupStrategy : public StrategyDefaults {
-  static_assert(Launcher<L>, "volt: the first argument of DDP<...>/ManualParallel<...> must be a launcher: Script "
-                             "(every process runs the program) or Spawn (fit runs in fresh workers).");
-
  public:
-  using launcher_type = L;
+  using launcher_type = typename CheckedLauncher<L>::type;
   using backend_type = B;
   static constexpr bool is_distributed = true;
 
@@ -42,7 +50,7 @@ class ProcessGroupStrategy : public StrategyDefaults {
     spec_.devices = options.devices;
     spec_.num_nodes = options.num_nodes;
     spec_.signals = options.signals;
-    if (L::joins_external_jobs && launch_role().empty()) {
+    if (launcher_type::joins_external_jobs && launch_role().empty()) {
       cluster::check_against(cluster::detect(), options.devices, options.num_nodes);
     }
   }
@@ -116,7 +124,7 @@ class ProcessGroupStrategy : public StrategyDefaults {
     return (fits ? t : t.to(device_)).detach();
   }
 
-  L launcher_;
+  launcher_type launcher_;
   LaunchSpec spec_;
   Processes procs_;
   std::unique_ptr<B> backend_;

@@ -3,16 +3,18 @@
 # AddressSanitizer and UndefinedBehaviorSanitizer against pip's LibTorch 2.11 (Debian's 1.13 headers do not build
 # with clang in C++20), in build-fuzz/; writes a seed corpus of real checkpoints,
 # replays every kept finding (test/fuzz/regressions/<mode>/), then fuzzes each mode for the given time.
-#   bash scripts/fuzz.sh [--seconds N]     (default 60 per mode)
+#   bash scripts/fuzz.sh [--seconds N] [--runs N]   (per mode: at most N seconds, default 60, and N inputs)
 # Ends non-zero on a finding; libFuzzer leaves the input that shows it in build-fuzz/fuzz-work/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=60
+runs_cap=
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds=$2; shift 2 ;;
     --seconds=*) seconds=${1#--seconds=}; shift ;;
-    *) echo "volt: scripts/fuzz.sh takes --seconds N; got '$1'." >&2; exit 2 ;;
+    --runs) runs_cap=$2; shift 2 ;;
+    *) echo "volt: scripts/fuzz.sh takes --seconds N and --runs N; got '$1'." >&2; exit 2 ;;
   esac
 done
 bash scripts/install-deps.sh --tests
@@ -27,8 +29,8 @@ build=build-fuzz
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ -DVOLT_FUZZ=ON \
       -DVOLT_BUILD_BENCH=OFF -DVOLT_BUILD_EXAMPLES=OFF -DCMAKE_PREFIX_PATH="$torch_dir" >/dev/null
 cmake --build "$build" -j2 --target fuzz_checkpoint
-fuzz=$build/test/fuzz/fuzz_checkpoint
-work=$build/fuzz-work
+fuzz=$PWD/$build/test/fuzz/fuzz_checkpoint
+work=$PWD/$build/fuzz-work
 rm -rf "$work"
 mkdir -p "$work/seeds" "$work/bytes" "$work/fields"
 # LibTorch keeps allocations for the process's life; leaks are not what this looks for.
@@ -52,8 +54,10 @@ summary=()
 for mode in bytes fields; do
   log=$work/$mode.log
   status=0
-  (cd "$work" && VOLT_FUZZ_MODE=$mode "../../$fuzz" -max_total_time="$seconds" -print_final_stats=1 \
-      -rss_limit_mb=4096 "$mode") >"$log" 2>&1 || status=$?
+  # A fixed seed: the inputs are the same sequence on every run, so a CI run repeats what was fuzzed before it
+  # (up to --runs, when given) instead of drawing new ones.
+  (cd "$work" && VOLT_FUZZ_MODE=$mode "$fuzz" -seed=1 -max_total_time="$seconds" ${runs_cap:+-runs=$runs_cap} \
+      -print_final_stats=1 -rss_limit_mb=4096 "$mode") >"$log" 2>&1 || status=$?
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
   if [ "$status" -ne 0 ]; then
     tail -n 40 "$log" >&2

@@ -182,6 +182,17 @@ inline at::Tensor rank_row(const at::Tensor& all, int rank) {
 inline std::vector<at::Tensor> rng_from_state(const Dict& r, const std::string& path, int rank) {
   std::vector<at::Tensor> out{rank_row(entry(r, kRngCpu, path).toTensor(), rank)};
   for (const auto& t : entry(r, kRngCuda, path).toListRef()) out.push_back(rank_row(t.toTensor(), rank));
+  // Each state tried on a copy of its generator now, so a damaged one is refused before anything is loaded.
+  auto generators = default_generators();
+  for (std::size_t i = 0; i < std::min(out.size(), generators.size()); ++i) {
+    try {
+      at::Generator copy = generators[i].clone();
+      copy.set_state(out[i]);
+    } catch (const std::exception& e) {
+      throw CheckpointError("volt: " + path + " holds a random generator state that does not fit generator " +
+                            std::to_string(i) + " (" + volt::checkpoint::detail::first_line(e.what()) + ").");
+    }
+  }
   return out;
 }
 
@@ -366,47 +377,60 @@ ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn:
   r.path = path;
   r.file = std::move(file);
   const Dict& d = r.file;
-  r.weights = entry(d, keys::state_dict, path).toGenericDict();
-  check_module_state(module, r.weights, path);
-  if (!d.contains(keys::loops)) {
-    throw CheckpointError("volt: " + path + " holds weights only (saved with weights_only), which cannot resume a "
-                          "fit. Load them with volt::load_weights(module, path), or resume from a full checkpoint.");
-  }
-  r.point = volt::detail::ResumePoint::from_state_dict(d.at(keys::loops).toGenericDict(), path);
-  if constexpr (data::PositionedLoader<TrainLoader>) {
-    if (d.contains(keys::loaders) && d.at(keys::loaders).toGenericDict().contains(loader_keys::train)) {
-      r.train_loader = loader_state_from_dict(d.at(keys::loaders).toGenericDict().at(loader_keys::train).toGenericDict(), path);
-      try {
-        train_loader.check_state(*r.train_loader);
-      } catch (const std::invalid_argument& e) {
-        throw CheckpointError("volt: the training loader cannot resume from " + path + ": " + std::string(e.what()).substr(6));
+  try {
+    r.weights = entry(d, keys::state_dict, path).toGenericDict();
+    check_module_state(module, r.weights, path);
+    if (!d.contains(keys::loops)) {
+      throw CheckpointError("volt: " + path + " holds weights only (saved with weights_only), which cannot resume a "
+                            "fit. Load them with volt::load_weights(module, path), or resume from a full checkpoint.");
+    }
+    r.point = volt::detail::ResumePoint::from_state_dict(d.at(keys::loops).toGenericDict(), path);
+    if constexpr (data::PositionedLoader<TrainLoader>) {
+      if (d.contains(keys::loaders) && d.at(keys::loaders).toGenericDict().contains(loader_keys::train)) {
+        const Dict saved = d.at(keys::loaders).toGenericDict().at(loader_keys::train).toGenericDict();
+        r.train_loader = loader_state_from_dict(saved, path);
+        try {
+          train_loader.check_state(*r.train_loader);
+        } catch (const std::invalid_argument& e) {
+          throw CheckpointError("volt: the training loader cannot resume from " + path + ": " +
+                                std::string(e.what()).substr(6));
+        }
       }
     }
+    const auto optimizers = entry(d, keys::optimizer_states, path).toListRef();
+    if (optimizers.size() != 1) {
+      throw CheckpointError("volt: " + path + " holds " + std::to_string(optimizers.size()) +
+                            " optimizer states; this fit has 1 optimizer.");
+    }
+    r.optimizer = optimizers[0].toTensor();
+    const auto schedulers = entry(d, keys::lr_schedulers, path).toListRef();
+    if (schedulers.size() != (has_scheduler ? 1u : 0u)) {
+      throw CheckpointError("volt: " + path + " holds " + std::to_string(schedulers.size()) +
+                            " learning-rate scheduler states; this fit has " + (has_scheduler ? "1" : "none") +
+                            ". Resume with the configure_optimizers that wrote it.");
+    }
+    if (has_scheduler) r.scheduler_step_count = entry(schedulers[0].toGenericDict(), kSchedulerStepCount, path).toInt();
+    r.metrics = metrics_from_state(entry(d, keys::metrics, path), path);
+    r.point.rng = rng_from_state(entry(d, keys::rng, path).toGenericDict(), path, rank);
+    r.point.loader_positioned = r.train_loader.has_value();
+    r.precision = to_map(entry(d, keys::precision, path).toGenericDict(), path);
+    r.callbacks = entry(d, keys::callbacks, path).toGenericDict();
+    const auto grads = entry(d, keys::accumulated_grads, path).toListRef();
+    if (!grads.empty() && grads.size() != num_params) {
+      throw CheckpointError("volt: " + path + " holds accumulated gradients of " + std::to_string(grads.size()) +
+                            " parameters; the module has " + std::to_string(num_params) + ".");
+    }
+    for (const auto& g : grads) r.grads.push_back(grad_from_state(g, rank));
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {  // an entry of another kind than volt wrote (LibTorch's message says which)
+    const std::string what = e.what();
+    const std::size_t at = what.find("xpected ");
+    const std::string fault = at != std::string::npos ? "e" + what.substr(at, what.find('\n', at) - at)
+                                                       : volt::checkpoint::detail::first_line(what);
+    throw CheckpointError("volt: " + path + " has an entry of another kind than volt writes (" + fault +
+                          "): the file was damaged or edited after it was written; nothing was loaded.");
   }
-  const auto optimizers = entry(d, keys::optimizer_states, path).toListRef();
-  if (optimizers.size() != 1) {
-    throw CheckpointError("volt: " + path + " holds " + std::to_string(optimizers.size()) +
-                          " optimizer states; this fit has 1 optimizer.");
-  }
-  r.optimizer = optimizers[0].toTensor();
-  const auto schedulers = entry(d, keys::lr_schedulers, path).toListRef();
-  if (schedulers.size() != (has_scheduler ? 1u : 0u)) {
-    throw CheckpointError("volt: " + path + " holds " + std::to_string(schedulers.size()) +
-                          " learning-rate scheduler states; this fit has " + (has_scheduler ? "1" : "none") +
-                          ". Resume with the configure_optimizers that wrote it.");
-  }
-  if (has_scheduler) r.scheduler_step_count = entry(schedulers[0].toGenericDict(), kSchedulerStepCount, path).toInt();
-  r.metrics = metrics_from_state(entry(d, keys::metrics, path), path);
-  r.point.rng = rng_from_state(entry(d, keys::rng, path).toGenericDict(), path, rank);
-  r.point.loader_positioned = r.train_loader.has_value();
-  r.precision = to_map(entry(d, keys::precision, path).toGenericDict(), path);
-  r.callbacks = entry(d, keys::callbacks, path).toGenericDict();
-  const auto grads = entry(d, keys::accumulated_grads, path).toListRef();
-  if (!grads.empty() && grads.size() != num_params) {
-    throw CheckpointError("volt: " + path + " holds accumulated gradients of " + std::to_string(grads.size()) +
-                          " parameters; the module has " + std::to_string(num_params) + ".");
-  }
-  for (const auto& g : grads) r.grads.push_back(grad_from_state(g, rank));
   return r;
 }
 

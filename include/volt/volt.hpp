@@ -8,6 +8,7 @@
 #include "volt/data.hpp"
 #include "volt/launchers.hpp"
 #include "volt/module.hpp"
+#include "volt/optim.hpp"
 #include "volt/options.hpp"
 #include "volt/precision.hpp"
 #include "volt/rules.hpp"

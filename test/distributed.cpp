@@ -74,7 +74,13 @@ struct NetImpl : torch::nn::Module {
     ctx.log("loss", loss, {.sync_dist = true});
     return loss;
   }
-  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)); }
+  /// volt::optim::SGD (fused kernels where LibTorch has them) instead of torch::optim::SGD.
+  bool fused = false;
+  std::unique_ptr<torch::optim::Optimizer> configure_optimizers() {
+    const auto o = torch::optim::SGDOptions(0.1).momentum(0.9);
+    if (fused) return std::make_unique<volt::optim::SGD>(parameters(), o);
+    return std::make_unique<torch::optim::SGD>(parameters(), o);
+  }
 };
 TORCH_MODULE(Net);
 
@@ -114,11 +120,12 @@ torch::Tensor flat(torch::nn::Module& m) {
 }
 
 template <class L>
-int fit_scenario(int accumulate) {
+int fit_scenario(int accumulate, bool fused) {
   const int64_t n = 64;
   const int epochs = 2;
   auto [x, y] = data(n);
   Net net;
+  net->fused = fused;
   volt::Trainer<volt::DDP<L, volt::Mpi>> trainer(
       {.devices = kWorld, .max_epochs = epochs, .accumulate_grad_batches = accumulate});
   trainer.strategy().set_bucket_bytes(256, 512);  // several buckets for this small net
@@ -376,10 +383,22 @@ struct Mode {
 };
 bool spawn_given(const std::vector<std::string>& a) { return a.size() > 1 && a[1] == "spawn"; }
 const Mode kModes[] = {
-    {"fit", "<script|spawn> [--accumulate k]: DDP on 2 ranks against one process's hand-written loop",
+    {"fit",
+     "<script|spawn> [--accumulate k] [--fused]: DDP on 2 ranks against one process's hand-written loop "
+     "(--fused: with volt::optim::SGD)",
      [](const std::vector<std::string>& a) {
-       const int k = a.size() > 3 && a[2] == "--accumulate" ? std::stoi(a[3]) : 1;
-       return spawn_given(a) ? fit_scenario<volt::Spawn>(k) : fit_scenario<volt::Script>(k);
+       int k = 1;
+       bool fused = false;
+       for (std::size_t i = 2; i < a.size(); ++i) {
+         if (a[i] == "--accumulate" && i + 1 < a.size()) {
+           k = std::stoi(a[++i]);
+         } else if (a[i] == "--fused") {
+           fused = true;
+         } else {
+           throw std::invalid_argument("fit: unknown argument " + a[i] + "; allowed: --accumulate k, --fused");
+         }
+       }
+       return spawn_given(a) ? fit_scenario<volt::Spawn>(k, fused) : fit_scenario<volt::Script>(k, fused);
      }},
     {"indices", "<script|spawn> n: every sample once per epoch across ranks (padded as DistributedSampler)",
      [](const std::vector<std::string>& a) {

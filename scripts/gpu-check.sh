@@ -62,6 +62,7 @@ t_test=$(( $(date +%s) - t1 ))
 
 bench_rc=0
 "$build/bench/trainer_vs_raw" --device cuda > "$log/bench_trainer_vs_raw.jsonl" 2> "$log/bench_trainer_vs_raw.err" || bench_rc=1
+"$build/bench/optim" --device cuda > "$log/bench_optim.jsonl" 2> "$log/bench_optim.err" || bench_rc=1
 quick_rc=0
 "$build/examples/quickstart" --device cuda --data-dir "$data" --out "$build/quickstart_gpu" > "$log/quickstart.txt" 2>&1 || quick_rc=$?
 
@@ -77,7 +78,9 @@ echo "gpu-labelled tests:"
 grep -E "Test +#[0-9]+: (gpu|gpu\.[a-z_]+) " "$log/ctest.txt" | sed 's/^ */  /'
 echo "trainer_vs_raw --device cuda (median step times, ratio = volt / hand-written):"
 sed 's/^/  /' "$log/bench_trainer_vs_raw.jsonl"
-[ $bench_rc = 0 ] || { echo "  FAILED:"; tail -5 "$log/bench_trainer_vs_raw.err"; }
+echo "optim --device cuda (median steps/s, ratio = volt::optim / torch::optim):"
+sed 's/^/  /' "$log/bench_optim.jsonl"
+[ $bench_rc = 0 ] || { echo "  FAILED:"; tail -5 "$log/bench_trainer_vs_raw.err" "$log/bench_optim.err"; }
 echo "quick start --device cuda:"
 if [ $quick_rc = 77 ]; then echo "  skipped: no Fashion-MNIST in $data (pass --data-dir)"; else
   grep -E "^device|training took|test accuracy" "$log/quickstart.txt" | sed 's/^/  /'

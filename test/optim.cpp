@@ -259,3 +259,30 @@ TEST_CASE("a Trainer checkpoint written with volt::optim resumes with torch::opt
     }
   }
 }
+
+TEST_CASE("GPU: volt::optim on CUDA steps as torch::optim does on CUDA, one fused kernel per group", "[.gpu]") {
+  const torch::Device cuda(torch::kCUDA);
+  const auto cases = all_cases();
+  for (const auto& c : cases) {
+    Net ref, fused;
+    ref->to(cuda);
+    fused->to(cuda);
+    auto ref_opt = c.reference(ref);
+    auto fused_opt = c.fused(fused);
+    REQUIRE(volt::optim::has_fused_kernels(cuda) == (volt::detail::torch_version >= 20400));
+    for (int i = 0; i < 100; ++i) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + i);
+      const auto x = torch::randn({16, 6}, gen).to(cuda);
+      const auto y = torch::randn({16, 3}, gen).to(cuda);
+      for (auto [net, opt] : {std::pair{&ref, ref_opt.get()}, std::pair{&fused, fused_opt.get()}}) {
+        opt->zero_grad();
+        vt::mse((*net)(x), y).backward();
+        opt->step();
+      }
+    }
+    const double diff = largest_relative_difference(fused, ref);
+    INFO(c.name << " on CUDA: largest relative difference " << diff);
+    CHECK(diff <= 1e-5);  // CUDA's fused kernels contract multiply-adds that LibTorch's per-tensor ops round apart
+    CHECK(fused->a->weight.is_cuda());
+  }
+}

@@ -9,6 +9,7 @@
 #include <torch/version.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace volt::detail {
 
@@ -91,6 +92,31 @@ inline void zero_grad(torch::optim::Optimizer& optimizer) {
   optimizer.zero_grad(/*set_to_none=*/true);
 #else
   optimizer.zero_grad();
+#endif
+}
+
+/// LibTorch 2.4 added fused Adam, AdamW and SGD kernels on the CPU (CUDA had them before); volt::optim uses them
+/// from there on, on both devices.
+inline constexpr bool has_fused_optimizer_kernels = torch_version >= 20400;
+
+/// `at::_fused_adamw_` (weight decay decoupled) or `at::_fused_adam_`, with their arguments; a no-op before 2.4,
+/// where volt::optim never calls it.
+template <class... A>
+void fused_adam(bool decoupled, A&&... args) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  decoupled ? at::_fused_adamw_(std::forward<A>(args)...) : at::_fused_adam_(std::forward<A>(args)...);
+#else
+  ((void)decoupled, ..., (void)args);
+#endif
+}
+
+/// `at::_fused_sgd_` with its arguments; a no-op before 2.4, where volt::optim never calls it.
+template <class... A>
+void fused_sgd(A&&... args) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  at::_fused_sgd_(std::forward<A>(args)...);
+#else
+  ((void)args, ...);
 #endif
 }
 

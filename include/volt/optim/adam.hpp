@@ -93,25 +93,12 @@ class FusedAdamFamily : public Base {
   StepTensors steps_;
 };
 
+/// `at::_fused_adam_` (Decoupled false) or `at::_fused_adamw_`.
+template <bool Decoupled>
 struct AdamKernel {
   template <class... A>
   void operator()(A&&... args) const {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    at::_fused_adam_(std::forward<A>(args)...);
-#else
-    ((void)args, ...);  // never reached: has_fused_kernels() is false before LibTorch 2.4
-#endif
-  }
-};
-
-struct AdamWKernel {
-  template <class... A>
-  void operator()(A&&... args) const {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    at::_fused_adamw_(std::forward<A>(args)...);
-#else
-    ((void)args, ...);
-#endif
+    volt::detail::fused_adam(Decoupled, std::forward<A>(args)...);
   }
 };
 
@@ -120,7 +107,7 @@ struct AdamWKernel {
 /// Adam (Kingma and Ba), as `torch::optim::Adam` with `AdamOptions` and `AdamParamState`, stepped by
 /// `at::_fused_adam_`.
 class Adam : public detail::FusedAdamFamily<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState,
-                                            detail::AdamKernel> {
+                                            detail::AdamKernel<false>> {
  public:
   using FusedAdamFamily::FusedAdamFamily;
 };
@@ -128,7 +115,7 @@ class Adam : public detail::FusedAdamFamily<torch::optim::Adam, torch::optim::Ad
 /// AdamW (Loshchilov and Hutter: weight decay decoupled from the gradient), as `torch::optim::AdamW` with
 /// `AdamWOptions` (weight decay 1e-2 by default) and `AdamWParamState`, stepped by `at::_fused_adamw_`.
 class AdamW : public detail::FusedAdamFamily<torch::optim::AdamW, torch::optim::AdamWOptions,
-                                             torch::optim::AdamWParamState, detail::AdamWKernel> {
+                                             torch::optim::AdamWParamState, detail::AdamKernel<true>> {
  public:
   using FusedAdamFamily::FusedAdamFamily;
 };

@@ -25,12 +25,7 @@ namespace volt::optim {
 
 /// Whether this LibTorch has fused optimizer kernels for tensors on `device` (CPU and CUDA from LibTorch 2.4).
 inline bool has_fused_kernels(const c10::Device& device) {
-  if constexpr (volt::detail::torch_version >= 20400) {
-    return device.is_cpu() || device.is_cuda();
-  } else {
-    (void)device;
-    return false;
-  }
+  return volt::detail::has_fused_optimizer_kernels && (device.is_cpu() || device.is_cuda());
 }
 
 namespace detail {

@@ -58,12 +58,8 @@ class SGD : public torch::optim::SGD {
 
  private:
   static void kernel(detail::Bucket& b, const torch::optim::SGDOptions& o, bool is_first_step) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
-                    /*maximize=*/false, is_first_step);
-#else
-    (void)b, (void)o, (void)is_first_step;  // never reached: has_fused_kernels() is false before LibTorch 2.4
-#endif
+    volt::detail::fused_sgd(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
+                            /*maximize=*/false, is_first_step);
   }
 };
 

@@ -66,4 +66,4 @@ for mode in bytes fields; do
   fi
   summary+=("$mode: ${runs:-?} inputs, corpus $(ls "$work/$mode" | wc -l) files")
 done
-echo "volt: fuzzed ${seconds} s per mode, no finding: ${summary[*]}"
+echo "volt: fuzzed at most ${seconds} s${runs_cap:+ or $runs_cap inputs} per mode, no finding: ${summary[*]}"

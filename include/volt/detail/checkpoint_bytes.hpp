@@ -1,0 +1,233 @@
+#pragma once
+/// \file
+/// The byte-level pieces under volt/checkpoint.hpp: the error type, the checksum over a checkpoint's contents, and
+/// reading a file's bytes without trusting them (a zip reader that stays inside the bytes, pickle lengths checked
+/// against what is left). Include volt/checkpoint.hpp.
+
+#include <ATen/core/ivalue.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/csrc/jit/serialization/import_read.h>
+#include <zlib.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace volt {
+
+/// A checkpoint could not be written or read; the message names the file.
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace checkpoint {
+namespace detail {
+
+inline uint32_t crc(uint32_t c, const void* data, std::size_t n) {
+  return static_cast<uint32_t>(crc32_z(c, static_cast<const Bytef*>(data), n));
+}
+inline uint32_t crc(uint32_t c, const std::string& s) {
+  c = crc(c, s.data(), s.size());
+  return crc(c, "\0", 1);
+}
+
+/// CRC-32 over a value's contents in a fixed order (dictionary keys sorted), so it does not depend on
+/// how the file lays them out.
+inline uint32_t checksum(const c10::IValue& v, uint32_t c) {
+  if (v.isNone()) return crc(c, "N");
+  if (v.isBool()) return crc(c, v.toBool() ? "T" : "F");
+  if (v.isInt()) {
+    const int64_t i = v.toInt();
+    return crc(crc(c, "I"), &i, sizeof i);
+  }
+  if (v.isDouble()) {
+    const double d = v.toDouble();
+    return crc(crc(c, "D"), &d, sizeof d);
+  }
+  if (v.isString()) return crc(crc(c, "S"), v.toStringRef());
+  if (v.isTensor()) {
+    const at::Tensor t = v.toTensor().cpu().contiguous();
+    c = crc(crc(c, "X"), std::string(c10::toString(t.scalar_type())));
+    for (int64_t s : t.sizes()) c = crc(c, &s, sizeof s);
+    return crc(c, t.data_ptr(), t.nbytes());
+  }
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    std::vector<std::string> keys;
+    for (const auto& e : d) keys.push_back(e.key().toStringRef());
+    std::sort(keys.begin(), keys.end());
+    c = crc(c, "{");
+    for (const auto& k : keys) c = checksum(d.at(k), crc(c, k));
+    return crc(c, "}");
+  }
+  if (v.isList()) {
+    c = crc(c, "[");
+    for (const auto& e : v.toListRef()) c = checksum(e, c);
+    return crc(c, "]");
+  }
+  throw CheckpointError("volt: a checkpoint may hold numbers, strings, tensors, lists and dictionaries; got a " +
+                        v.tagKind());
+}
+
+inline std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+[[noreturn]] inline void fail_errno(const std::string& what, const std::string& path) {
+  throw CheckpointError("volt: " + what + " " + path + " failed: " + std::strerror(errno));
+}
+
+inline void fsync_dir(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+/// Hands a checkpoint's bytes to LibTorch's zip reader, copying only what is there. (LibTorch's own VectorReader,
+/// behind `torch::pickle_load`, copies whatever range the reader asks for, also past the end of a damaged file's
+/// bytes: a heap overflow that fuzzing found with a file whose zip directory points beyond its end.)
+class BoundedReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit BoundedReader(const std::vector<char>& bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<size_t>(n, bytes_.size() - static_cast<size_t>(pos));
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  const std::vector<char>& bytes_;
+};
+
+/// Walks a pickle's opcodes and throws when a length field asks for more bytes than the pickle has left.
+/// (LibTorch's Unpickler sizes its buffer from such a field before reading: a damaged 20 KB file asked for a
+/// 4 GB string, which fuzzing found.) Opcodes it does not know end the walk; the Unpickler judges the rest.
+inline void check_pickle_lengths(const char* p, std::size_t size) {
+  std::size_t at = 0;
+  auto need = [&](std::size_t n) {
+    if (n > size - at) {
+      throw std::runtime_error("a length in the pickle asks for " + std::to_string(n) + " bytes at byte " +
+                               std::to_string(at) + " of " + std::to_string(size));
+    }
+  };
+  auto number = [&](int width) {  // little-endian, as pickle writes lengths
+    need(static_cast<std::size_t>(width));
+    uint64_t v = 0;
+    for (int i = width - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[at + i]);
+    at += static_cast<std::size_t>(width);
+    return v;
+  };
+  auto skip = [&](uint64_t n) {
+    need(static_cast<std::size_t>(std::min<uint64_t>(n, SIZE_MAX)));
+    at += static_cast<std::size_t>(n);
+  };
+  auto line = [&] {
+    const void* nl = std::memchr(p + at, '\n', size - at);
+    if (nl == nullptr) throw std::runtime_error("a pickle line has no end");
+    at = static_cast<std::size_t>(static_cast<const char*>(nl) - p) + 1;
+  };
+  while (at < size) {
+    const auto op = static_cast<unsigned char>(p[at++]);
+    switch (op) {
+      case '.': return;  // STOP
+      case 'K':
+      case 'h':
+      case 'q':
+      case 0x80:
+      case 0x82: skip(1); break;  // one-byte arguments
+      case 'M':
+      case 0x83: skip(2); break;
+      case 'J':
+      case 'j':
+      case 'r':
+      case 0x84: skip(4); break;
+      case 'G':
+      case 0x95: skip(8); break;  // BINFLOAT, FRAME
+      case 'U':
+      case 'C':
+      case 0x8a:
+      case 0x8c: skip(number(1)); break;  // short strings, bytes, LONG1
+      case 'T':
+      case 'X':
+      case 'B':
+      case 0x8b: skip(number(4)); break;  // strings, bytes, LONG4
+      case 0x8d:
+      case 0x8e:
+      case 0x96: skip(number(8)); break;  // 8-byte lengths
+      case 'F':
+      case 'I':
+      case 'L':
+      case 'P':
+      case 'S':
+      case 'V':
+      case 'g':
+      case 'p': line(); break;
+      case 'c':
+      case 'i':
+        line();
+        line();
+        break;  // GLOBAL, INST: module and name
+      case '(':
+      case '0':
+      case '1':
+      case '2':
+      case 'N':
+      case 'Q':
+      case 'R':
+      case 'a':
+      case 'b':
+      case 'd':
+      case '}':
+      case 'e':
+      case 'l':
+      case ']':
+      case 'o':
+      case 's':
+      case 't':
+      case ')':
+      case 'u':
+      case 0x81:
+      case 0x85:
+      case 0x86:
+      case 0x87:
+      case 0x88:
+      case 0x89:
+      case 0x8f:
+      case 0x90:
+      case 0x91:
+      case 0x92:
+      case 0x93:
+      case 0x94:
+      case 0x97:
+      case 0x98: break;  // no argument
+      default: return;   // not an opcode this knows
+    }
+  }
+}
+
+/// `torch::pickle_load` over a BoundedReader, with the pickle's lengths checked first: the same archive ("data"),
+/// read within its bytes.
+inline c10::IValue unpickle(const std::vector<char>& bytes) {
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedReader>(bytes));
+  const auto [pickle, size] = reader.getRecord("data.pkl");
+  check_pickle_lengths(static_cast<const char*>(pickle.get()), size);
+  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", {}, {}, {}, reader);
+}
+
+}  // namespace detail
+
+}  // namespace checkpoint
+}  // namespace volt

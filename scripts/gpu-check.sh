@@ -63,6 +63,7 @@ t_test=$(( $(date +%s) - t1 ))
 bench_rc=0
 "$build/bench/trainer_vs_raw" --device cuda > "$log/bench_trainer_vs_raw.jsonl" 2> "$log/bench_trainer_vs_raw.err" || bench_rc=1
 "$build/bench/optim" --device cuda > "$log/bench_optim.jsonl" 2> "$log/bench_optim.err" || bench_rc=1
+"$build/bench/graph" > "$log/bench_graph.jsonl" 2> "$log/bench_graph.err" || bench_rc=1
 quick_rc=0
 "$build/examples/quickstart" --device cuda --data-dir "$data" --out "$build/quickstart_gpu" > "$log/quickstart.txt" 2>&1 || quick_rc=$?
 
@@ -80,7 +81,9 @@ echo "trainer_vs_raw --device cuda (median step times, ratio = volt / hand-writt
 sed 's/^/  /' "$log/bench_trainer_vs_raw.jsonl"
 echo "optim --device cuda (median steps/s, ratio = volt::optim / torch::optim):"
 sed 's/^/  /' "$log/bench_optim.jsonl"
-[ $bench_rc = 0 ] || { echo "  FAILED:"; tail -5 "$log/bench_trainer_vs_raw.err" "$log/bench_optim.err"; }
+echo "graph (median steps/s of hand-written and volt loops, eager, fused and graphed; the ratios the goals name):"
+sed 's/^/  /' "$log/bench_graph.jsonl"
+[ $bench_rc = 0 ] || { echo "  FAILED:"; tail -5 "$log/bench_trainer_vs_raw.err" "$log/bench_optim.err" "$log/bench_graph.err"; }
 echo "quick start --device cuda:"
 if [ $quick_rc = 77 ]; then echo "  skipped: no Fashion-MNIST in $data (pass --data-dir)"; else
   grep -E "^device|training took|test accuracy" "$log/quickstart.txt" | sed 's/^/  /'

@@ -77,15 +77,71 @@ struct MetricEntry {
   std::string epoch_key() const { return on_step && on_epoch ? name + "_epoch" : name; }
 };
 
+/// One `Context::log` call as a captured training step made it (graph mode): its value is the graph's output,
+/// which each replay overwrites.
+struct LogCall {
+  std::string name;
+  torch::Tensor value;
+  LogOptions options;
+  bool on_step = false, on_epoch = false;
+  int64_t batch_size = 1;
+};
+
+/// The log calls of one captured step, in call order. The first pass over the step that logs records them; a later
+/// pass that runs the step's host code again (a graph type that re-runs it) updates their values, and must make the
+/// same calls; a pass that runs no host code (a CUDA graph's replay) makes none.
+class LogRecorder {
+ public:
+  /// Starts a pass over the step.
+  void begin() { next_ = 0; }
+  void take(std::string_view name, const torch::Tensor& value, const LogOptions& o, bool on_step, bool on_epoch,
+            int64_t batch_size) {
+    if (!closed_ && next_ == calls_.size()) {
+      calls_.push_back(LogCall{std::string(name), value.detach(), o, on_step, on_epoch, batch_size});
+    } else if (next_ < calls_.size() && calls_[next_].name == name) {
+      calls_[next_].value = value.detach();
+    } else {
+      differs(name);
+    }
+    ++next_;
+  }
+  /// Ends a pass: the calls are fixed once a pass has made some.
+  void end() {
+    if (closed_ && next_ != 0 && next_ != calls_.size()) differs("");
+    if (!calls_.empty()) closed_ = true;
+  }
+  const std::vector<LogCall>& calls() const { return calls_; }
+
+ private:
+  [[noreturn]] void differs(std::string_view name) const {
+    throw std::logic_error("volt: Graphed: training_step made log calls (" +
+                           (name.empty() ? std::to_string(next_) + " of them" : "\"" + std::string(name) + "\" as call " +
+                                                                                    std::to_string(next_ + 1)) +
+                           ") that differ from those of the step that was captured (" +
+                           std::to_string(calls_.size()) + "); a captured step must log the same names in the same "
+                           "order every time.");
+  }
+  std::vector<LogCall> calls_;
+  std::size_t next_ = 0;
+  bool closed_ = false;
+};
+
 /// The values logged during one loop run. Few names per run: a vector searched linearly beats a map.
 /// Accumulation uses out-of-place ops only, so values computed under InferenceMode mix with normal ones.
 class MetricStore {
  public:
   void clear() { entries_.clear(); }
   std::vector<MetricEntry>& entries() { return entries_; }
+  /// While set, log calls go to `recorder` instead (a step being captured); null: back to this store.
+  void redirect(LogRecorder* recorder) { recorder_ = recorder; }
 
   void add(std::string_view name, const torch::Tensor& value, const LogOptions& o, bool on_step, bool on_epoch,
            int64_t batch_size) {
+    if (recorder_ != nullptr) {
+      if (value.numel() != 1) check_scalar(name, value);
+      recorder_->take(name, value, o, on_step, on_epoch, batch_size);
+      return;
+    }
     MetricEntry* e = find(name);
     if (e == nullptr) {
       entries_.push_back(MetricEntry{std::string(name), on_step, on_epoch, o.prog_bar, o.logger, o.sync_dist,
@@ -96,10 +152,7 @@ class MetricStore {
                                   "\" was logged twice in one loop with different on_step/on_epoch/reduce options; "
                                   "log each name with one set of options.");
     }
-    if (value.numel() != 1) {
-      throw std::invalid_argument("volt: log(\"" + std::string(name) + "\") needs a single value, got a tensor of " +
-                                  std::to_string(value.numel()) + " elements; reduce it first (e.g. .mean()).");
-    }
+    if (value.numel() != 1) check_scalar(name, value);
     torch::Tensor v = value.detach().reshape({});
     if (on_step) {
       e->step_value = v;
@@ -123,12 +176,19 @@ class MetricStore {
   }
 
  private:
+  static void check_scalar(std::string_view name, const torch::Tensor& value) {
+    if (value.numel() != 1) {
+      throw std::invalid_argument("volt: log(\"" + std::string(name) + "\") needs a single value, got a tensor of " +
+                                  std::to_string(value.numel()) + " elements; reduce it first (e.g. .mean()).");
+    }
+  }
   MetricEntry* find(std::string_view name) {
     for (auto& e : entries_)
       if (e.name == name) return &e;
     return nullptr;
   }
   std::vector<MetricEntry> entries_;
+  LogRecorder* recorder_ = nullptr;
 };
 
 /// The strategy's collectives, as a module sees them through its Context (not tied to the strategy's type).

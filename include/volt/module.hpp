@@ -7,7 +7,7 @@
 /// | member | required | meaning |
 /// |---|---|---|
 /// | `training_step(Batch&, Context&) -> torch::Tensor` | yes | the loss of one batch |
-/// | `configure_optimizers() -> OptimizerConfig` (or an optimizer by value, or a shared/unique pointer to one) | yes | what steps the parameters |
+/// | `configure_optimizers() -> OptimizerConfig` (or an optimizer by value, a shared/unique pointer to one, or an `OptimizerConfigOf<O>`) | yes | what steps the parameters |
 /// | `validation_step(Batch&, Context&)` | for validation | logs metrics; its result is ignored |
 /// | `test_step(Batch&, Context&)` | for test | as validation_step |
 /// | `predict_step(Batch&, Context&) -> R` | for predict | `predict` returns a `std::vector<R>` |
@@ -71,7 +71,49 @@ struct OptimizerConfig {
   int64_t frequency = 1;
 };
 
+/// `OptimizerConfig` that keeps the optimizer's type, for code that needs it at compile time: graph mode
+/// (`Graphed<GPU>`) captures the optimizer's step and must know that the step can be captured.
+/// \code
+///   volt::OptimizerConfigOf<volt::optim::AdamW> configure_optimizers() {
+///     auto opt = std::make_shared<volt::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-3));
+///     return {.optimizer = opt, .scheduler = std::make_shared<torch::optim::StepLR>(*opt, 1, 0.5)};
+///   }
+/// \endcode
+template <class O>
+struct OptimizerConfigOf {
+  static_assert(std::is_base_of_v<torch::optim::Optimizer, O>, "volt: OptimizerConfigOf<O> takes an optimizer type.");
+  std::shared_ptr<O> optimizer;
+  std::shared_ptr<torch::optim::LRScheduler> scheduler;
+  Interval interval = Interval::epoch;
+  int64_t frequency = 1;
+
+  operator OptimizerConfig() const { return {optimizer, scheduler, interval, frequency}; }
+};
+
 namespace detail {
+
+/// The optimizer type a `configure_optimizers` result `R` holds (`torch::optim::Optimizer` when it does not say).
+template <class R>
+struct optimizer_type {
+  using type = torch::optim::Optimizer;
+};
+template <class R>
+  requires std::is_base_of_v<torch::optim::Optimizer, R>
+struct optimizer_type<R> {
+  using type = R;
+};
+template <class O>
+struct optimizer_type<OptimizerConfigOf<O>> {
+  using type = O;
+};
+template <class O>
+struct optimizer_type<std::shared_ptr<O>> {
+  using type = O;
+};
+template <class O, class D>
+struct optimizer_type<std::unique_ptr<O, D>> {
+  using type = O;
+};
 
 template <class M>
 concept ModuleHolder = requires(M& m) {
@@ -103,6 +145,8 @@ OptimizerConfig to_optimizer_config(T&& r) {
   using R = std::remove_cvref_t<T>;
   if constexpr (std::is_same_v<R, OptimizerConfig>) {
     return std::forward<T>(r);
+  } else if constexpr (std::is_convertible_v<R, OptimizerConfig>) {  // OptimizerConfigOf<O>
+    return static_cast<OptimizerConfig>(r);
   } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, R>) {
     return {.optimizer = std::make_shared<R>(std::move(r))};
   } else {
@@ -113,7 +157,7 @@ OptimizerConfig to_optimizer_config(T&& r) {
 
 template <class R>
 concept OptimizerResult =
-    std::is_same_v<R, OptimizerConfig> ||
+    std::is_same_v<R, OptimizerConfig> || std::is_convertible_v<R, OptimizerConfig> ||
     (std::is_base_of_v<torch::optim::Optimizer, R> && std::is_move_constructible_v<R>) ||
     requires(R r) { std::shared_ptr<torch::optim::Optimizer>(std::move(r)); };
 
@@ -129,6 +173,11 @@ template <class M>
 concept Module = std::derived_from<module_impl_t<M>, torch::nn::Module> && requires(module_impl_t<M>& m) {
   { m.configure_optimizers() } -> detail::OptimizerResult;
 };
+
+/// The optimizer type `M`'s configure_optimizers returns (`torch::optim::Optimizer` when its result does not say).
+template <class M>
+using module_optimizer_t = typename detail::optimizer_type<
+    std::remove_cvref_t<decltype(std::declval<module_impl_t<M>&>().configure_optimizers())>>::type;
 
 template <class M, class Batch>
 concept TrainableOn = requires(module_impl_t<M>& m, Batch& b, Context& ctx) {

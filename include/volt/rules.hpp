@@ -10,6 +10,9 @@
 /// | each slot holds its kind | the concepts `Strategy`, `Precision`, `Accelerator` | `Trainer<Fp32, SingleDevice, CPU>` |
 /// | a strategy's collective backend takes the accelerator's tensors | `backend_traits<B>::supports_cpu` / `supports_cuda` | `Trainer<DDP<Script, Nccl>, Fp32, CPU>` |
 /// | the backend was compiled in | `backend_traits<B>::available` (Nccl: VOLT_WITH_NCCL) | `Trainer<DDP<Spawn>, Fp32, GPU>` without `volt::nccl` |
+/// | a graphed accelerator can capture | `A::captures_step`, `A::graph_type` | `Trainer<SingleDevice, Fp32, Graphed<CPU>>` |
+/// | its graph type was compiled in | `A::graph_type::available` (the GPU's: VOLT_WITH_CUDA) | `Graphed<GPU>` against a LibTorch without CUDA |
+/// | graph mode runs in one process | `S::is_distributed`, `A::captures_step` | `Trainer<DDP<Script>, Bf16, Graphed<GPU>>` |
 ///
 /// **The three phases of validation.** Every setting is checked as early as it can be known, and said once:
 ///  - **phase (a), compile time**: the Trainer's type. Each slot holds its kind and the rules above hold;
@@ -24,6 +27,7 @@
 
 #include "volt/accelerators/concept.hpp"
 #include "volt/accelerators/cpu.hpp"
+#include "volt/accelerators/graphed.hpp"
 #include "volt/comm/concept.hpp"
 #include "volt/precision/concept.hpp"
 #include "volt/precision/fp32.hpp"
@@ -95,7 +99,8 @@ inline constexpr bool slots_permuted = !slots_ok<S, P, A> && (slots_ok<S, A, P> 
                                                               slots_ok<A, P, S>);
 
 /// The rules between the slots, in the order they are said.
-enum class Rule { none, fp16_autocast, backend_device, backend_compiled, bf16_autocast };
+enum class Rule { none, graph_device, graph_compiled, fp16_autocast, backend_device, backend_compiled, bf16_autocast,
+                  graph_distributed };
 
 /// The first rule between the slots that is broken (`none` also when a slot does not hold its kind: that is said
 /// first, and alone).
@@ -105,10 +110,13 @@ constexpr Rule first_broken_rule() {
     return Rule::none;
   } else {
     using B = bind_strategy_t<S, A>;
+    if (graph_without_device<A>) return Rule::graph_device;
+    if (graph_not_compiled<A>()) return Rule::graph_compiled;
     if (!Fp16AutocastAvailable<P, A>) return Rule::fp16_autocast;
     if (!BackendRunsOn<B, A>) return Rule::backend_device;
     if (!BackendCompiledIn<B>) return Rule::backend_compiled;
     if (!Bf16AutocastAvailable<P, A>) return Rule::bf16_autocast;
+    if (captures_step<A> && S::is_distributed) return Rule::graph_distributed;
     return Rule::none;
   }
 }
@@ -144,6 +152,13 @@ struct CheckedSlots {
   static_assert(slots_permuted<S, P, A> || !Strategy<S> || !Precision<P> || Accelerator<A>,
                 "volt: give an accelerator as the third Trainer argument (CPU, GPU): the order is "
                 "Trainer<Strategy, Precision, Accelerator, Callbacks...>.");
+  static_assert(first_broken_rule<S, P, A>() != Rule::graph_device,
+                "volt: use Graphed<volt::GPU>, or the CPU without Graphed: graph mode captures steps in CUDA graphs, and "
+                "this accelerator has no graph type (A::graph_type), so its steps cannot be captured.");
+  static_assert(first_broken_rule<S, P, A>() != Rule::graph_compiled,
+                "volt: build against a LibTorch with CUDA (pip's torch, or PyTorch's LibTorch archive for CUDA) through "
+                "volt's CMake target, which defines VOLT_WITH_CUDA=1, or use the GPU without Graphed: CUDA graphs are "
+                "not compiled in (VOLT_WITH_CUDA is 0).");
   static_assert(first_broken_rule<S, P, A>() != Rule::fp16_autocast,
                 "volt: use Bf16Mixed or Fp32 on the CPU, or the GPU accelerator for Fp16Mixed: this precision "
                 "autocasts to float16, which the accelerator does not offer (CPU has no float16 autocast).");
@@ -158,6 +173,10 @@ struct CheckedSlots {
   static_assert(first_broken_rule<S, P, A>() != Rule::bf16_autocast,
                 "volt: use Fp32, or an accelerator with has_bf16_autocast: this precision autocasts to bfloat16, "
                 "which the accelerator does not offer.");
+  static_assert(first_broken_rule<S, P, A>() != Rule::graph_distributed,
+                "volt: use SingleDevice with Graphed<GPU>, or DDP with the GPU without Graphed (it keeps the fused "
+                "optimizers): graph mode runs in one process, since DDP reduces gradients from host hooks during "
+                "backward, which a captured step would run only once.");
 
   static constexpr bool ok = rules_ok<S, P, A>;
   using strategy = typename bound_strategy_if<ok, S, A>::type;

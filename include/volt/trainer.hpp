@@ -7,10 +7,12 @@
 /// This file holds the rules (phase (a), volt/rules.hpp), the constructor (phase (b)), the four runs, what
 /// callbacks and callers may read, and the members grouped by owner. The loops are out-of-class definitions,
 /// included at the end (ensmallen's `_impl` files): loops/run_impl.hpp (what every run shares),
-/// loops/fit_loop_impl.hpp, loops/training_batch_impl.hpp, loops/evaluation_loop_impl.hpp, and
+/// loops/fit_loop_impl.hpp, loops/training_batch_impl.hpp, loops/graphed_batch_impl.hpp (graph mode),
+/// loops/evaluation_loop_impl.hpp, and
 /// connectors/checkpoint_impl.hpp (saving and resuming; the format is connectors/checkpoint_connector.hpp).
 
 #include "volt/accelerators/cpu.hpp"
+#include "volt/accelerators/graphed.hpp"
 #include "volt/batch.hpp"
 #include "volt/callbacks/concept.hpp"
 #include "volt/checkpoint.hpp"
@@ -20,12 +22,14 @@
 #include "volt/context.hpp"
 #include "volt/data/concept.hpp"
 #include "volt/detail/fit_transfer.hpp"
+#include "volt/detail/graph_step.hpp"
 #include "volt/detail/hooks.hpp"
 #include "volt/detail/torch_compat.hpp"
 #include "volt/loops/batches.hpp"
 #include "volt/loops/evaluation.hpp"
 #include "volt/loops/progress.hpp"
 #include "volt/module.hpp"
+#include "volt/optim/fused.hpp"
 #include "volt/options.hpp"
 #include "volt/precision/fp32.hpp"
 #include "volt/rules.hpp"
@@ -39,6 +43,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -120,6 +125,7 @@ class Trainer {
     static_assert(TrainableOn<M, Batch>,
                   "volt: the module has no training_step for this loader's batches. Add "
                   "`torch::Tensor training_step(const Batch& batch, volt::Context& ctx)` returning the loss.");
+    if constexpr (detail::captures_step<accelerator_type> && Module<M>) check_graph_rules<module_impl_t<M>>();
     constexpr bool has_val = !std::is_same_v<std::remove_cvref_t<ValLoader>, NoLoader>;
     if constexpr (has_val) {
       static_assert(requires(module_impl_t<M>& m, detail::batch_t<ValLoader>& b, Context& c) {
@@ -298,7 +304,19 @@ class Trainer {
   void run_validation(Impl& module, VL* val);
   template <class Impl, class B, class VL>
   bool train_batch(Impl& module, Context& ctx, B& batch, int64_t batch_idx, bool is_last, VL* val);
+  template <class Impl, class B>
+  torch::Tensor eager_step(Impl& module, Context& ctx, B& batch, bool window_start, bool steps);
+  void count_optimizer_step();
   void clip_gradients();
+
+  // ---- graph mode (loops/graphed_batch_impl.hpp) ----
+  template <class Impl, class B>
+  torch::Tensor graphed_step(Impl& module, Context& ctx, B& batch, bool window_start, bool steps, bool is_last);
+  enum class GraphRule { none, optimizer, module_hook, callback_hook };
+  template <class Impl>
+  static constexpr GraphRule broken_graph_rule();
+  template <class Impl>
+  static constexpr void check_graph_rules();
 
   // ---- evaluation (loops/evaluation_loop_impl.hpp) ----
   template <class Kind, class Impl, class L, class Sink>
@@ -344,6 +362,8 @@ class Trainer {
   OptimizerConfig optim_;
   /// The module's parameters (clipping, accumulated gradients in checkpoints).
   std::vector<torch::Tensor> params_;
+  /// Graph mode's captured steps and their static batch (during a fit with a `Graphed` accelerator).
+  std::unique_ptr<detail::GraphedStepsBase> graphs_;
   /// max_epochs in effect (-1: until max_steps).
   int64_t max_epochs_ = 1000;
   /// Training batches per epoch (-1: until the loader ends).
@@ -385,5 +405,6 @@ Trainer<S, P, A, std::remove_cvref_t<Callbacks>...> make_trainer(TrainerOptions 
 #include "volt/loops/run_impl.hpp"
 #include "volt/loops/evaluation_loop_impl.hpp"
 #include "volt/loops/training_batch_impl.hpp"
+#include "volt/loops/graphed_batch_impl.hpp"
 #include "volt/loops/fit_loop_impl.hpp"
 #include "volt/connectors/checkpoint_impl.hpp"

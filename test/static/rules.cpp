@@ -72,6 +72,38 @@ static_assert(volt::BackendRunsOn<vt::CountingStrategy, CPU>);
 static_assert(volt::BackendCompiledIn<volt::DDP<volt::Script, volt::Nccl>> == (VOLT_WITH_NCCL != 0));
 static_assert(volt::BackendCompiledIn<volt::DDP<volt::Script, volt::Mpi>>);
 static_assert(volt::BackendCompiledIn<volt::SingleDevice>);
+// graph mode (accelerators/graphed.hpp, rules.hpp): the accelerator has a graph type, compiled in; one process
+struct ReplayGraph {  // a graph type of one's own (the shape the table in graphed.hpp gives)
+  static constexpr bool available = true;
+  template <class F> void run_eager(const c10::Device&, F&& f) { f(); }
+  template <class F> void capture(const c10::Device&, F&&, const ReplayGraph*) {}
+  void replay() {}
+};
+struct GraphCPU : CPU {
+  using graph_type = ReplayGraph;
+};
+using volt::detail::first_broken_rule;
+using volt::detail::Rule;
+static_assert(volt::detail::captures_step<volt::Graphed<GPU>> && !volt::detail::captures_step<GPU>);
+static_assert(volt::Accelerator<volt::Graphed<GPU>> && volt::Graphed<GPU>::warmup_batches == 3);
+static_assert(first_broken_rule<volt::SingleDevice, volt::Bf16, volt::Graphed<CPU>>() == Rule::graph_device);
+static_assert(first_broken_rule<volt::SingleDevice, volt::Bf16, volt::Graphed<GraphCPU>>() == Rule::none);
+static_assert(first_broken_rule<volt::SingleDevice, volt::Fp16Mixed, volt::Graphed<GPU>>() ==
+              (VOLT_WITH_CUDA ? Rule::none : Rule::graph_compiled));
+static_assert(first_broken_rule<volt::DDP<volt::Script>, volt::Fp32, volt::Graphed<GraphCPU>>() ==
+              Rule::graph_distributed);
+static_assert(first_broken_rule<volt::DDP<volt::Script>, volt::Fp32, GraphCPU>() == Rule::none);  // not graphed
+// which optimizers a captured step can hold (optim/fused.hpp)
+static_assert(volt::optim::CapturableOptimizer<volt::optim::Adam> && volt::optim::CapturableOptimizer<volt::optim::SGD>);
+static_assert(volt::optim::CapturableOptimizer<volt::optim::AdamW>);
+static_assert(!volt::optim::CapturableOptimizer<torch::optim::Adam> &&
+              !volt::optim::CapturableOptimizer<torch::optim::Optimizer>);
+// and what configure_optimizers says of its optimizer's type (module.hpp)
+static_assert(std::is_same_v<volt::detail::optimizer_type<volt::OptimizerConfigOf<volt::optim::SGD>>::type,
+                             volt::optim::SGD>);
+static_assert(std::is_same_v<volt::detail::optimizer_type<std::unique_ptr<volt::optim::Adam>>::type,
+                             volt::optim::Adam>);
+static_assert(std::is_same_v<volt::detail::optimizer_type<volt::OptimizerConfig>::type, torch::optim::Optimizer>);
 // AutoBackend resolves by accelerator: Mpi on CPU, Nccl on GPU (strategies/ddp.hpp's with_accelerator)
 static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::DDP<volt::Spawn>, CPU>, volt::DDP<volt::Spawn, volt::Mpi>>);
 static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::DDP<volt::Script>, GPU>, volt::DDP<volt::Script, volt::Nccl>>);

@@ -12,6 +12,7 @@
 /// | `static int device_count()` | how many devices this process sees |
 /// | `static torch::Device device(int local_rank)` | the device a local rank uses |
 /// | `static void synchronize(torch::Device)` | wait for queued work on that device (timings) |
+/// | `using graph_type` (optional) | how `Graphed<A>` captures and replays steps (accelerators/graphed.hpp); absent: `Graphed<A>` is refused |
 ///
 /// Writing your own: a struct with these members; the Trainer's rules read only the flags, never the type.
 /// \code

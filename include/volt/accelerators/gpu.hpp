@@ -1,6 +1,7 @@
 #pragma once
 
 #include "volt/accelerators/concept.hpp"
+#include "volt/detail/cuda_graph.hpp"
 #include "volt/detail/torch_compat.hpp"
 
 #include <c10/core/Device.h>
@@ -15,6 +16,8 @@ struct GPU {
   static constexpr const char* name = "GPU";
   static constexpr bool has_fp16_autocast = true;
   static constexpr bool has_bf16_autocast = true;
+  /// How `Graphed<GPU>` captures and replays steps (compiled in where LibTorch has CUDA).
+  using graph_type = detail::CudaGraph;
 
   static bool is_available() { return torch::cuda::is_available(); }
   static int device_count() { return static_cast<int>(torch::cuda::device_count()); }

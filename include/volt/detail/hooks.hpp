@@ -77,6 +77,14 @@
                       "arguments (a trailing volt::Context& is optional).");                                         \
       }                                                                                                              \
     }                                                                                                                \
+    /* Whether module(m, ctx, a...) / callback(c, trainer, module, a...) calls a member (graph mode asks). */       \
+    template <class M, class... A>                                                                                   \
+    static constexpr bool module_has = requires(M& m, Context& ctx, A&... a) { m.h(a..., ctx); } ||                  \
+                                       requires(M& m, A&... a) { m.h(a...); };                                       \
+    template <class C, class T, class M, class... A>                                                                 \
+    static constexpr bool callback_has = requires(C& c, T& trainer, M& module, A&... a) {                            \
+      c.h(trainer, module, a...);                                                                                    \
+    };                                                                                                               \
     template <class C, class T, class M, class... A>                                                                 \
     static void callback(C& c, T& trainer, M& module, A&&... a) {                                                    \
       if constexpr (requires { c.h(trainer, module, std::forward<A>(a)...); }) {                                     \

@@ -45,6 +45,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     Trainer* t;
     ~FitScope() {
       t->fitting_ = false;
+      t->graphs_.reset();  // graph mode's graphs and their memory pool
       if (t->train_loader_state_) t->final_loader_state_ = t->train_loader_state_();
       t->train_loader_state_ = nullptr;
       t->progress_.in_train_batch = t->progress_.in_epoch_end = false;

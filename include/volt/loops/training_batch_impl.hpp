@@ -40,38 +40,14 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, B& batch, 
   const bool window_start = batch_idx % k == 0;
   const bool steps = (batch_idx + 1) % k == 0 || is_last;
   progress_.mid_window = !steps;
-  torch::optim::Optimizer& optimizer = *optim_.optimizer;
-
-  torch::Tensor loss = with_device_batch(batch, [&](auto& b) -> torch::Tensor {
-    [[maybe_unused]] auto guard = precision_.forward_context(accelerator_type::device_type);
-    return detail::run_module_step(state_, "training_step", [&] { return module.training_step(b, ctx); });
-  });
-
-  if (loss.defined()) {  // an undefined loss skips this batch's optimization, as returning None in Lightning
-    if (window_start) {
-      hook<detail::hooks::on_before_zero_grad>(module, ctx, optimizer);
-      detail::zero_grad(optimizer);
+  torch::Tensor detached;
+  if constexpr (detail::captures_step<accelerator_type>) {
+    if constexpr (broken_graph_rule<Impl>() == GraphRule::none) {  // else fit's static_assert has said why
+      detached = graphed_step(module, ctx, batch, window_start, steps, is_last);
     }
-    const torch::Tensor scaled = k > 1 ? loss / static_cast<double>(k) : loss;
-    hook<detail::hooks::on_before_backward>(module, ctx, scaled);
-    strategy_.pre_backward(steps);
-    detail::run_module_step(state_, "the backward pass of training_step's loss", [&] { precision_.backward(scaled); });
-    strategy_.post_backward();
-    hook<detail::hooks::on_after_backward>(module, ctx);
-
-    if (steps) {
-      precision_.unscale_gradients(optimizer);
-      hook<detail::hooks::on_before_optimizer_step>(module, ctx, optimizer);
-      clip_gradients();
-      precision_.optimizer_step(optimizer);
-      ++state_.global_step;
-      if (optim_.scheduler && optim_.interval == Interval::step && state_.global_step % optim_.frequency == 0) {
-        optim_.scheduler->step();
-      }
-    }
+  } else {
+    detached = eager_step(module, ctx, batch, window_start, steps);
   }
-
-  const torch::Tensor detached = loss.defined() ? loss.detach() : loss;
   hook<detail::hooks::on_train_batch_end>(module, ctx, detached, batch, batch_idx);
   leave_batch();
 
@@ -92,6 +68,49 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, B& batch, 
   ++progress_.total_batch_idx;
   if (max_steps_reached()) return false;
   return !(progress_.should_stop && can_stop_early());
+}
+
+/// The optimization of one batch without graphs: the step under the precision's context, zero_grad at a window's
+/// start, backward with the strategy's hooks, and at a window's end unscaling, clipping and the optimizer step.
+/// Returns the detached loss (undefined: the step returned none, which skips the batch's optimization, as returning
+/// None in Lightning).
+template <class S, class P, class A, class... Cs>
+template <class Impl, class B>
+torch::Tensor Trainer<S, P, A, Cs...>::eager_step(Impl& module, Context& ctx, B& batch, bool window_start, bool steps) {
+  const int64_t k = options_.accumulate_grad_batches;
+  torch::optim::Optimizer& optimizer = *optim_.optimizer;
+  torch::Tensor loss = with_device_batch(batch, [&](auto& b) -> torch::Tensor {
+    [[maybe_unused]] auto guard = precision_.forward_context(accelerator_type::device_type);
+    return detail::run_module_step(state_, "training_step", [&] { return module.training_step(b, ctx); });
+  });
+  if (!loss.defined()) return loss;
+  if (window_start) {
+    hook<detail::hooks::on_before_zero_grad>(module, ctx, optimizer);
+    detail::zero_grad(optimizer);
+  }
+  const torch::Tensor scaled = k > 1 ? loss / static_cast<double>(k) : loss;
+  hook<detail::hooks::on_before_backward>(module, ctx, scaled);
+  strategy_.pre_backward(steps);
+  detail::run_module_step(state_, "the backward pass of training_step's loss", [&] { precision_.backward(scaled); });
+  strategy_.post_backward();
+  hook<detail::hooks::on_after_backward>(module, ctx);
+  if (steps) {
+    precision_.unscale_gradients(optimizer);
+    hook<detail::hooks::on_before_optimizer_step>(module, ctx, optimizer);
+    clip_gradients();
+    precision_.optimizer_step(optimizer);
+    count_optimizer_step();
+  }
+  return loss.detach();
+}
+
+/// An optimizer step was taken: the step counter, and the scheduler when it steps per optimizer step.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::count_optimizer_step() {
+  ++state_.global_step;
+  if (optim_.scheduler && optim_.interval == Interval::step && state_.global_step % optim_.frequency == 0) {
+    optim_.scheduler->step();
+  }
 }
 
 /// gradient_clip_val by norm or by value, after unscaling and on_before_optimizer_step.

@@ -13,6 +13,7 @@
 #include <torch/serialize/archive.h>
 
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -21,9 +22,15 @@ namespace detail {
 
 /// One Adam or AdamW step over every group of `optimizer`, through `kernel` (`at::_fused_adam_` or
 /// `at::_fused_adamw_`), with LibTorch's state initialisation (zeros, and `max_exp_avg_sq` only with amsgrad).
+/// With `lr` (graph mode) the rate is read from its device tensors and `found_inf`, when defined, skips the update on
+/// the device and takes back the step count: nothing is read on the host.
 template <class Options, class State, class Kernel>
-void fused_adam_step(torch::optim::Optimizer& optimizer, StepTensors& steps, Kernel&& kernel) {
-  for (auto& group : optimizer.param_groups()) {
+void fused_adam_step(torch::optim::Optimizer& optimizer, StepTensors& steps, Kernel&& kernel, DeviceLr* lr = nullptr,
+                     const at::Tensor& found_inf = {}) {
+  std::optional<at::Tensor> found;
+  if (found_inf.defined()) found = found_inf;
+  for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    auto& group = optimizer.param_groups()[g];
     const auto& o = static_cast<const Options&>(group.options());
     std::vector<Bucket> buckets;
     for (const auto& p : group.params()) {
@@ -51,8 +58,16 @@ void fused_adam_step(torch::optim::Optimizer& optimizer, StepTensors& steps, Ker
     const auto [beta1, beta2] = o.betas();
     for (auto& b : buckets) {
       at::_foreach_add_(b.steps, 1);
-      kernel(b.params, b.grads, b.a, b.b, b.c, b.steps, o.lr(), beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(),
-             /*maximize=*/false);
+      if (lr == nullptr) {
+        kernel(b.params, b.grads, b.a, b.b, b.c, b.steps, o.lr(), beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(),
+               /*maximize=*/false);
+        continue;
+      }
+      kernel(b.params, b.grads, b.a, b.b, b.c, b.steps, lr->of(g, b.device, o.lr()), beta1, beta2, o.weight_decay(),
+             o.eps(), o.amsgrad(), /*maximize=*/false, /*grad_scale=*/std::nullopt, found);
+      if (found) {  // a skipped step does not count, as PyTorch's fused step
+        at::_foreach_sub_(b.steps, std::vector<at::Tensor>(b.steps.size(), found_inf.reshape({})));
+      }
     }
   }
 }
@@ -77,6 +92,18 @@ class FusedAdamFamily : public Base {
     return loss;
   }
 
+  /// The step of graph mode: every rate read from a device tensor (`refresh_device_lr` copies the groups' rates
+  /// there), the step counts advanced on the device, and with `found_inf` defined (Fp16Mixed's inf/NaN flag) the
+  /// update skipped on the device when it is non-zero. It reads nothing on the host, so it can be captured in a CUDA
+  /// graph and replayed. Needs LibTorch's fused kernels (LibTorch >= 2.4).
+  void step_on_device(const at::Tensor& found_inf = {}) {
+    at::NoGradGuard no_grad;
+    require_fused(*this, "volt::optim::Adam");
+    fused_adam_step<Options, State>(*this, steps_, Kernel{}, &device_lr_, found_inf);
+  }
+  /// Copies each group's rate into the tensors `step_on_device` reads, where it changed; outside captured regions.
+  void refresh_device_lr() { device_lr_.refresh(*this); }
+
   /// LibTorch's archive, with step counts read back from the tensors that count them.
   void save(torch::serialize::OutputArchive& archive) const override {
     steps_.template read_back<State>(*this);
@@ -87,10 +114,12 @@ class FusedAdamFamily : public Base {
   void load(torch::serialize::InputArchive& archive) override {
     Base::load(archive);
     steps_.clear();
+    device_lr_.clear();
   }
 
  private:
   StepTensors steps_;
+  DeviceLr device_lr_;
 };
 
 /// `at::_fused_adam_` (Decoupled false) or `at::_fused_adamw_`.

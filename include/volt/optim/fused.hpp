@@ -13,8 +13,10 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <concepts>
 #include <cstdint>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -27,6 +29,15 @@ namespace volt::optim {
 inline bool has_fused_kernels(const c10::Device& device) {
   return volt::detail::has_fused_optimizer_kernels && (device.is_cpu() || device.is_cuda());
 }
+
+/// An optimizer whose step can be captured in a CUDA graph (graph mode, `Graphed<GPU>`): its step reads nothing on
+/// the host (`step_on_device`), and its learning rates live in device tensors (`refresh_device_lr`). volt's `Adam`,
+/// `AdamW` and `SGD` are; LibTorch's own optimizers read their step counts on the host and are not.
+template <class O>
+concept CapturableOptimizer = std::derived_from<O, torch::optim::Optimizer> && requires(O& o, const at::Tensor& inf) {
+  o.step_on_device(inf);
+  o.refresh_device_lr();
+};
 
 namespace detail {
 
@@ -102,6 +113,53 @@ class StepTensors {
  private:
   std::unordered_map<const void*, at::Tensor> steps_;
 };
+
+/// The learning rate of each parameter group as a float32 tensor on each device its parameters live on, which a
+/// step that runs without the host (graph mode) reads. `refresh` copies each group's rate into its tensors where the
+/// rate changed (an LR scheduler's step): call it outside any captured region, before the step runs.
+class DeviceLr {
+ public:
+  /// The tensor holding group `group`'s rate on `device`, made from `lr` the first time.
+  const at::Tensor& of(std::size_t group, const c10::Device& device, double lr) {
+    for (auto& e : entries_) {
+      if (e.group == group && e.device == device) return e.tensor;
+    }
+    entries_.push_back(Entry{group, device, lr, at::full({}, lr, at::TensorOptions().dtype(at::kFloat).device(device))});
+    return entries_.back().tensor;
+  }
+
+  /// Copies every group's current rate into its tensors where it differs from the last one copied.
+  void refresh(const torch::optim::Optimizer& optimizer) {
+    for (auto& e : entries_) {
+      const double lr = optimizer.param_groups().at(e.group).options().get_lr();
+      if (lr != e.value) {
+        e.tensor.fill_(lr);
+        e.value = lr;
+      }
+    }
+  }
+
+  /// Forgets every tensor (after a load).
+  void clear() { entries_.clear(); }
+
+ private:
+  struct Entry {
+    std::size_t group;
+    c10::Device device;
+    double value;
+    at::Tensor tensor;
+  };
+  std::vector<Entry> entries_;
+};
+
+/// Throws unless a fused kernel can step every parameter with a gradient (graph mode has no other step).
+inline void require_fused(const torch::optim::Optimizer& optimizer, const char* name) {
+  if (!fused_applies(optimizer)) {
+    throw std::logic_error(std::string("volt: ") + name + "::step_on_device needs LibTorch's fused kernels (LibTorch " +
+                           ">= 2.4, dense float gradients on the CPU or CUDA, on the parameters' device); this " +
+                           "optimizer has a parameter they cannot step. Use step() instead.");
+  }
+}
 
 /// The parameters of one group that share a device and a dtype, with what the kernel reads beside them.
 struct Bucket {

@@ -15,6 +15,7 @@
 /// | `backward(const torch::Tensor& loss)` | runs backward (Fp16Mixed scales the loss first) |
 /// | `unscale_gradients(torch::optim::Optimizer&)` | before hooks and clipping see the gradients |
 /// | `optimizer_step(torch::optim::Optimizer&) -> bool` | steps; false when the step was skipped (inf/NaN) |
+/// | `optimizer_step_on_device(O&)` (for `Graphed`) | the same with nothing read on the host: `O::step_on_device(found_inf)` |
 /// | `state_dict() -> std::map<std::string, double>` / `load_state_dict(map)` | checkpointed state |
 ///
 /// Writing your own: derive from `PrecisionDefaults` for the no-op members and set the flags.
@@ -64,6 +65,11 @@ struct PrecisionDefaults {
   bool optimizer_step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return true;
+  }
+  /// Graph mode's step (volt/accelerators/graphed.hpp): no loss scale, so no inf/NaN flag.
+  template <class O>
+  void optimizer_step_on_device(O& optimizer) {
+    optimizer.step_on_device(torch::Tensor());
   }
   std::map<std::string, double> state_dict() const { return {}; }
   void load_state_dict(const std::map<std::string, double>&) {}

@@ -26,6 +26,12 @@ class Fp16Mixed : public PrecisionDefaults {
     scaler_.update();
     return stepped;
   }
+  /// Graph mode's step: the fused step skips on the device when an inf/NaN was found, and the scale is updated there.
+  template <class O>
+  void optimizer_step_on_device(O& optimizer) {
+    scaler_.step_on_device(optimizer);
+    scaler_.update();
+  }
   std::map<std::string, double> state_dict() const { return scaler_.state_dict(); }
   void load_state_dict(const std::map<std::string, double>& state) { scaler_.load_state_dict(state); }
 

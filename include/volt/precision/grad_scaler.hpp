@@ -102,8 +102,22 @@ class GradScaler {
     stage_ = Stage::stepped;
     const bool skip = found_inf_.defined() && found_inf_.item<float>() != 0.0f;
     if (!skip) optimizer.step();
-    last_step_skipped_ = skip;
+    last_found_inf_ = found_inf_;
     return !skip;
+  }
+
+  /// The step of graph mode: unscales if that was not done yet, then `optimizer.step_on_device(found_inf)`, whose
+  /// kernels skip the update on the device when an inf/NaN was found. Reads nothing on the host, so it can be captured
+  /// (volt::optim's optimizers have it).
+  template <class O>
+  void step_on_device(O& optimizer) {
+    if (stage_ == Stage::stepped) {
+      throw std::logic_error("volt: GradScaler::step_on_device was called twice since the last update().");
+    }
+    if (stage_ == Stage::ready) unscale_(optimizer);
+    stage_ = Stage::stepped;
+    optimizer.step_on_device(found_inf_);
+    last_found_inf_ = found_inf_;
   }
 
   /// Adjusts the scale after a step: back off on inf/NaN, grow after `growth_interval` clean steps.
@@ -127,7 +141,8 @@ class GradScaler {
   double get_scale() const { return scale_.defined() ? scale_.item<float>() : options_.init_scale; }
   /// Clean steps since the last change of scale.
   int64_t growth_tracker() const { return growth_tracker_.defined() ? growth_tracker_.item<int32_t>() : 0; }
-  bool last_step_skipped() const { return last_step_skipped_; }
+  /// Whether the last step was skipped for an inf/NaN (reads the device flag; a sync on GPU).
+  bool last_step_skipped() const { return last_found_inf_.defined() && last_found_inf_.item<float>() != 0.0f; }
   const GradScalerOptions& options() const { return options_; }
 
   /// The same keys as PyTorch's GradScaler.state_dict().
@@ -204,8 +219,8 @@ class GradScaler {
   torch::Tensor scale_;           // float32 [1]
   torch::Tensor growth_tracker_;  // int32 [1]
   torch::Tensor found_inf_;       // float32 [1], set by unscale_
+  torch::Tensor last_found_inf_;  // the last step's found_inf_ (kept: a replayed step rewrites it on the device)
   Stage stage_ = Stage::ready;
-  bool last_step_skipped_ = false;
   bool init_device_ = false;
 };
 

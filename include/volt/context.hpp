@@ -138,7 +138,7 @@ class MetricStore {
   void add(std::string_view name, const torch::Tensor& value, const LogOptions& o, bool on_step, bool on_epoch,
            int64_t batch_size) {
     if (recorder_ != nullptr) {
-      if (value.numel() != 1) check_scalar(name, value);
+      check_scalar(name, value);
       recorder_->take(name, value, o, on_step, on_epoch, batch_size);
       return;
     }
@@ -152,7 +152,7 @@ class MetricStore {
                                   "\" was logged twice in one loop with different on_step/on_epoch/reduce options; "
                                   "log each name with one set of options.");
     }
-    if (value.numel() != 1) check_scalar(name, value);
+    check_scalar(name, value);
     torch::Tensor v = value.detach().reshape({});
     if (on_step) {
       e->step_value = v;

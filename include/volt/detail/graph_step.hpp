@@ -72,8 +72,6 @@ struct GraphedSteps final : GraphedStepsBase {
   /// The batch the graphs read, on the device, and its tensors in map order.
   std::optional<B> inputs;
   std::vector<at::Tensor> input_tensors;
-  /// The gradients each window's first step zeroes in place (never set to none in graph mode: the graphs hold them).
-  std::vector<at::Tensor> grads;
   /// Eager batches run before the first capture.
   int64_t warm_batches = 0;
 
@@ -108,11 +106,6 @@ struct GraphedSteps final : GraphedStepsBase {
     }
     const std::vector<at::Tensor> given = tensors_of(batch);
     for (std::size_t i = 0; i < given.size(); ++i) input_tensors[i].copy_(given[i], /*non_blocking=*/true);
-  }
-
-  /// Zeroes the gradients a window starts from, in place.
-  void zero_grads() {
-    if (!grads.empty()) at::_foreach_zero_(grads);
   }
 };
 

@@ -11,7 +11,9 @@
 // discarded stream). Workloads: an MLP 784-256-256-10 at batch 128, and a CNN (64-128-256 convolutions, 512 fully
 // connected) at batch 256 on 28x28 images. Prints a JSON line per workload and way (median steps/s over the rounds)
 // and the ratios the goals name: volt_graphed / hand_graphed, volt_fused / hand_fused, volt_eager / hand_eager.
-//   graph [--rounds 5] [--steps 300] [--workload mlp|cnn|all]
+// The CNN's two levers, for every way alike: --cudnn-benchmark (cuDNN's autotuner; volt through its `benchmark`
+// option) and --channels-last (the convolutions' weights and the images in channels-last layout).
+//   graph [--rounds 5] [--steps 300] [--workload mlp|cnn|all] [--cudnn-benchmark] [--channels-last]
 // Exits 77 where there is no CUDA device (or volt was built without CUDA).
 
 #include <torch/torch.h>
@@ -35,6 +37,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Batch = torch::data::Example<>;
 
+/// The levers (command line), the same for every way.
+bool cudnn_benchmark = false, channels_last = false;
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -53,6 +58,12 @@ struct NetImpl : torch::nn::Module {
                                  nn::Conv2d(nn::Conv2dOptions(64, 128, 3).padding(1)), nn::ReLU(), nn::MaxPool2d(2),
                                  nn::Conv2d(nn::Conv2dOptions(128, 256, 3).padding(1)), nn::ReLU(), nn::MaxPool2d(2),
                                  nn::Flatten(), nn::Linear(256 * 3 * 3, 512), nn::ReLU(), nn::Linear(512, 10)));
+      if (channels_last) {  // moving to the GPU keeps the layout
+        torch::NoGradGuard no_grad;
+        for (auto& p : parameters()) {
+          if (p.dim() == 4) p.set_data(p.contiguous(torch::MemoryFormat::ChannelsLast));
+        }
+      }
     } else {
       body = register_module("body", nn::Sequential(nn::Linear(784, 256), nn::ReLU(), nn::Linear(256, 256), nn::ReLU(),
                                                     nn::Linear(256, 10)));
@@ -82,6 +93,7 @@ std::vector<Batch> make_batches(bool cnn) {
   std::vector<Batch> out;
   for (int i = 0; i < 8; ++i) {
     auto x = cnn ? torch::randn({n, 1, 28, 28}, gen) : torch::randn({n, 784}, gen);
+    if (cnn && channels_last) x = x.contiguous(torch::MemoryFormat::ChannelsLast);
     out.push_back({x.cuda(), torch::randint(0, 10, {n}, gen).cuda()});
   }
   return out;
@@ -186,6 +198,7 @@ double hand_graphed(bool cnn, const std::vector<Batch>& batches, int steps) {
 
 /// Times a fit from its 20th optimizer step to its last, with a sync at both ends.
 struct StepTimer {
+  static constexpr bool keeps_loss = false;  // graph mode need not copy the loss for it
   int64_t from = 20;
   Clock::time_point t0;
   double rate = 0;
@@ -209,7 +222,8 @@ double volt_fit(bool cnn, const std::vector<Batch>& batches, int steps) {
   static std::ostringstream discard;
   discard.str("");
   auto t = volt::make_trainer<volt::SingleDevice, volt::Bf16, A>(
-      {.max_steps = steps + 20, .num_sanity_val_steps = 0, .signals = {.enabled = false}}, StepTimer{},
+      {.max_steps = steps + 20, .num_sanity_val_steps = 0, .benchmark = cudnn_benchmark, .signals = {.enabled = false}},
+      StepTimer{},
       volt::ProgressBar({.out = &discard, .plain = false}));
   t.fit(net, loader);
   return t.template callback<StepTimer>().rate;
@@ -229,8 +243,13 @@ int main(int argc, char** argv) {
       steps = std::stoi(next());
     } else if (a == "--workload") {
       workload = next();
+    } else if (a == "--cudnn-benchmark") {
+      cudnn_benchmark = true;
+    } else if (a == "--channels-last") {
+      channels_last = true;
     } else {
-      std::cerr << "graph: unknown argument " << a << "; allowed: --rounds N --steps N --workload mlp|cnn|all\n";
+      std::cerr << "graph: unknown argument " << a << "; allowed: --rounds N --steps N --workload mlp|cnn|all "
+                << "--cudnn-benchmark --channels-last\n";
       return 2;
     }
   }
@@ -238,6 +257,9 @@ int main(int argc, char** argv) {
     std::cerr << "graph: no CUDA device here; graph mode runs on a GPU only\n";
     return 77;
   }
+  at::globalContext().setBenchmarkCuDNN(cudnn_benchmark);  // the hand-written loops' setting (volt sets its own)
+  std::ostringstream levers;
+  levers << ",\"cudnn_benchmark\":" << std::boolalpha << cudnn_benchmark << ",\"channels_last\":" << channels_last;
   for (bool cnn : {false, true}) {
     const std::string name = cnn ? "cnn" : "mlp";
     if (workload != "all" && workload != name) continue;
@@ -259,11 +281,11 @@ int main(int argc, char** argv) {
     for (const auto& [way, v] : rates) {
       m[way] = median(v);
       std::cout << "{\"bench\":\"graph\",\"workload\":\"" << name << "\",\"way\":\"" << way
-                << "\",\"steps_per_s\":" << m[way] << ",\"rounds\":" << rounds << ",\"steps\":" << steps << "}"
+                << "\",\"steps_per_s\":" << m[way] << ",\"rounds\":" << rounds << ",\"steps\":" << steps << levers.str() << "}"
                 << std::endl;
     }
-    std::cout << "{\"bench\":\"graph\",\"workload\":\"" << name
-              << "\",\"ratio_volt_graphed_to_hand_graphed\":" << m["volt_graphed"] / m["hand_graphed"]
+    std::cout << "{\"bench\":\"graph\",\"workload\":\"" << name << "\"" << levers.str()
+              << ",\"ratio_volt_graphed_to_hand_graphed\":" << m["volt_graphed"] / m["hand_graphed"]
               << ",\"ratio_volt_fused_to_hand_fused\":" << m["volt_fused"] / m["hand_fused"]
               << ",\"ratio_volt_eager_to_hand_eager\":" << m["volt_eager"] / m["hand_eager"]
               << ",\"ratio_volt_graphed_to_hand_eager\":" << m["volt_graphed"] / m["hand_eager"] << "}" << std::endl;

@@ -64,6 +64,7 @@ bench_rc=0
 "$build/bench/trainer_vs_raw" --device cuda > "$log/bench_trainer_vs_raw.jsonl" 2> "$log/bench_trainer_vs_raw.err" || bench_rc=1
 "$build/bench/optim" --device cuda > "$log/bench_optim.jsonl" 2> "$log/bench_optim.err" || bench_rc=1
 "$build/bench/graph" > "$log/bench_graph.jsonl" 2> "$log/bench_graph.err" || bench_rc=1
+"$build/bench/graph" --workload cnn --cudnn-benchmark --channels-last >> "$log/bench_graph.jsonl" 2>> "$log/bench_graph.err" || bench_rc=1
 quick_rc=0
 "$build/examples/quickstart" --device cuda --data-dir "$data" --out "$build/quickstart_gpu" > "$log/quickstart.txt" 2>&1 || quick_rc=$?
 
@@ -81,7 +82,7 @@ echo "trainer_vs_raw --device cuda (median step times, ratio = volt / hand-writt
 sed 's/^/  /' "$log/bench_trainer_vs_raw.jsonl"
 echo "optim --device cuda (median steps/s, ratio = volt::optim / torch::optim):"
 sed 's/^/  /' "$log/bench_optim.jsonl"
-echo "graph (median steps/s of hand-written and volt loops, eager, fused and graphed; the ratios the goals name):"
+echo "graph (median steps/s of hand-written and volt loops, eager, fused and graphed; the ratios the goals name; the CNN again with cuDNN's autotuner and channels-last):"
 sed 's/^/  /' "$log/bench_graph.jsonl"
 [ $bench_rc = 0 ] || { echo "  FAILED:"; tail -5 "$log/bench_trainer_vs_raw.err" "$log/bench_optim.err" "$log/bench_graph.err"; }
 echo "quick start --device cuda:"

@@ -7,7 +7,11 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -339,13 +343,18 @@ struct GraphNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(GraphNet);
 
-/// Every batch's loss as on_train_batch_end receives it, and the logged loss of every optimizer step as a logger
-/// receives it (log_every_n_steps = 1).
+/// Every batch's loss as on_train_batch_end receives it (the tensors kept, read when the fit is over), and the logged
+/// loss of every optimizer step as a logger receives it (log_every_n_steps = 1).
 struct StepValues {
+  std::vector<torch::Tensor> kept;
   std::vector<double> loss, logged;
   template <class T, class M, class B>
   void on_train_batch_end(T&, M&, const torch::Tensor& l, const B&, int64_t) {
-    loss.push_back(l.template item<double>());
+    kept.push_back(l);
+  }
+  template <class T, class M>
+  void on_fit_end(T&, M&) {
+    for (const auto& l : kept) loss.push_back(l.template item<double>());
   }
   template <class T>
   void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t) {
@@ -421,6 +430,67 @@ TEST_CASE("graph mode: a batch of another shape before the epoch's last is an er
   volt::Trainer<volt::SingleDevice, volt::Fp32, volt::Graphed<RerunCPU>> t({.max_epochs = 1});
   CHECK_THROWS_WITH(t.fit(m, batches), Contains("training batch 4 of epoch 0 has tensors of shapes [[2, 4], [2, 1]] "
                                                 "but the step was captured for [[8, 4], [8, 1]]"));
+}
+
+namespace {
+/// GraphNet on batches laid out otherwise: a map of tensors (a rebuilt unordered map iterates in another order), and
+/// a pair whose second member, not a tensor, weighs the loss.
+struct MapNet : GraphNetImpl {
+  torch::Tensor training_step(const std::unordered_map<std::string, torch::Tensor>& b, volt::Context& ctx) {
+    return GraphNetImpl::training_step({b.at("x"), b.at("y")}, ctx);
+  }
+};
+struct WeightedNet : GraphNetImpl {
+  torch::Tensor training_step(const std::pair<torch::data::Example<>, double>& b, volt::Context& ctx) {
+    return GraphNetImpl::training_step(b.first, ctx) * b.second;
+  }
+};
+
+/// Two epochs of `Net` over `batches` on accelerator `A`; the trained weights.
+template <class A, class Net, class B>
+std::vector<torch::Tensor> fit_batches(std::vector<B> batches) {
+  Net m;
+  volt::Trainer<volt::SingleDevice, volt::Fp32, A> t({.max_epochs = 2});
+  t.fit(m, batches);
+  std::vector<torch::Tensor> weights;
+  for (const auto& p : m.parameters()) weights.push_back(p.detach().clone());
+  return weights;
+}
+
+/// 6 batches of 8 rows, each with the weight `weights` gives it.
+std::vector<std::pair<torch::data::Example<>, double>> weighted_batches(const std::vector<double>& weights) {
+  auto [x, y] = vt::regression_data(48);
+  std::vector<std::pair<torch::data::Example<>, double>> out;
+  for (int64_t i = 0; i < 6; ++i) out.push_back({{x.slice(0, 8 * i, 8 * i + 8), y.slice(0, 8 * i, 8 * i + 8)}, weights[i]});
+  return out;
+}
+}  // namespace
+
+TEST_CASE("graph mode copies a map batch's tensors in by key, whatever order the static batch's map iterates in",
+          "[optim]") {
+  if (!volt::detail::has_fused_optimizer_kernels) return;
+  auto [x, y] = vt::regression_data(48);
+  std::vector<std::unordered_map<std::string, torch::Tensor>> batches;
+  for (int64_t i = 0; i < 6; ++i) batches.push_back({{"x", x.slice(0, 8 * i, 8 * i + 8)}, {"y", y.slice(0, 8 * i, 8 * i + 8)}});
+  RerunGraph::captures = RerunGraph::replays = 0;
+  const auto eager = fit_batches<volt::CPU, MapNet>(batches);
+  const auto graphed = fit_batches<volt::Graphed<RerunCPU>, MapNet>(batches);
+  CHECK(RerunGraph::replays == 9);  // 12 batches, 3 of them the warm-up
+  for (std::size_t i = 0; i < eager.size(); ++i) CHECK(torch::equal(graphed[i], eager[i]));
+}
+
+TEST_CASE("graph mode: a batch whose values other than tensors differ runs eagerly as the epoch's last, else fails",
+          "[optim]") {
+  if (!volt::detail::has_fused_optimizer_kernels) return;
+  RerunGraph::captures = RerunGraph::replays = 0;
+  const auto batches = weighted_batches({1, 1, 1, 1, 1, 0.5});
+  const auto eager = fit_batches<volt::CPU, WeightedNet>(batches);
+  const auto graphed = fit_batches<volt::Graphed<RerunCPU>, WeightedNet>(batches);
+  CHECK(RerunGraph::replays == 7);  // epoch 0's batches 3 and 4 (0 to 2 warm up), epoch 1's 0 to 4; each last runs eagerly
+  for (std::size_t i = 0; i < eager.size(); ++i) CHECK(torch::equal(graphed[i], eager[i]));
+  CHECK_THROWS_WITH((fit_batches<volt::Graphed<RerunCPU>, WeightedNet>(weighted_batches({1, 1, 1, 1, 0.5, 1}))),
+                    Contains("training batch 4 of epoch 0 is laid out as ({t, t}, 0.5) but the step was captured for "
+                             "({t, t}, 1)"));
 }
 
 #if VOLT_WITH_CUDA

@@ -224,6 +224,30 @@ TEST_CASE("two deterministic runs with one seed end with bit-identical weights",
   CHECK_FALSE(torch::equal(first, other));
 }
 
+TEST_CASE("benchmark sets cuDNN's autotuner as Lightning's does, and is refused with deterministic", "[trainer]") {
+  auto& context = at::globalContext();
+  const bool before = context.benchmarkCuDNN();
+  auto [x, y] = vt::regression_data(32);
+  auto fit_with = [&](volt::TrainerOptions options) {
+    vt::Regressor net;
+    auto loader = make_loader(x, y, 16);
+    options.max_epochs = 1;
+    volt::Trainer<>(options).fit(net, loader);
+    return context.benchmarkCuDNN();
+  };
+  context.setBenchmarkCuDNN(false);
+  CHECK(fit_with({.benchmark = true}));
+  CHECK(fit_with({}));  // unset: as the process has it (Lightning's None)
+  CHECK_FALSE(fit_with({.benchmark = false}));
+  context.setBenchmarkCuDNN(true);
+  CHECK_FALSE(fit_with({.deterministic = true}));  // unset under deterministic: off
+  CHECK_THROWS_WITH(volt::Trainer<>({.deterministic = true, .benchmark = true}),
+                    Contains("benchmark=true with deterministic=true is not allowed"));
+  context.setBenchmarkCuDNN(before);
+  context.setDeterministicAlgorithms(false, false);
+  context.setDeterministicCuDNN(false);
+}
+
 TEST_CASE("hooks and callbacks fire in Lightning's order", "[trainer]") {
   std::vector<std::string> log;
   struct Hooked : vt::RegressorImpl {

@@ -152,6 +152,10 @@ struct TrainerOptions {
 
   /// Use deterministic algorithms only (errors where an op has none), cuDNN deterministic, no benchmark.
   bool deterministic = false;
+  /// cuDNN's autotuner (`torch.backends.cudnn.benchmark`): true times each convolution's algorithms for every new
+  /// input shape and keeps the fastest (for fixed shapes, graph mode's included); false does not. Unset: as the
+  /// process has it (LibTorch's default is false), or false under `deterministic`. As Lightning's `benchmark`.
+  std::optional<bool> benchmark;
   /// Seed every generator at the start of each run (torch's CPU and CUDA generators, loaders' shuffling).
   std::optional<uint64_t> seed;
 
@@ -191,6 +195,10 @@ inline void validate_options(const TrainerOptions& o) {
     require(*o.max_epochs >= -1,
             quote("max_epochs", *o.max_epochs) + " is not allowed: give -1 (no epoch limit) or a number >= 0.");
   }
+  require(!(o.deterministic && o.benchmark.value_or(false)),
+          "benchmark=true with deterministic=true is not allowed: cuDNN's autotuner picks algorithms by timing them, so "
+          "a run would not be deterministic. Leave benchmark unset (or false) for deterministic runs, or set "
+          "deterministic=false.");
   require(o.min_epochs >= 0, quote("min_epochs", o.min_epochs) + " is not allowed: give a number >= 0.");
   require(o.max_steps >= -1,
           quote("max_steps", o.max_steps) + " is not allowed: give -1 (no step limit) or a number >= 0.");

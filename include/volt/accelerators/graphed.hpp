@@ -13,10 +13,13 @@
 /// captures will use. The next batch is captured: the module's `training_step` runs once on the host while its
 /// device work is recorded, then every batch is copied into the graph's inputs and the graph replayed. Gradient
 /// accumulation captures up to four variants (a window's first, middle and last micro-batch, and a window of one);
-/// each is captured the first time it is needed. A batch of another shape (the epoch's last, partial batch) runs
-/// eagerly; another shape anywhere else is an error. What `ctx.log` records inside `training_step` is read from the
-/// graph's outputs after each replay, so the progress bar, loggers and callbacks see every step's value. LR
-/// schedulers, validation (eager), checkpoints and exact resume work as without graphs.
+/// each is captured the first time it is needed. Only a batch's tensors are copied in; its other values (numbers,
+/// strings, a map's keys, which optionals are there) are the captured batch's in every replay, so they are part of its
+/// layout (`detail::batch_layout`). A batch of another shape or layout (the epoch's last, partial batch) runs eagerly;
+/// one anywhere else is an error that quotes both. What `ctx.log` records inside `training_step` is read from the
+/// graph's outputs after each replay, so the progress bar, loggers and callbacks see every step's value; the loss
+/// `on_train_batch_end` gets is a copy where a hook may keep it (volt/callbacks/concept.hpp). LR schedulers,
+/// validation (eager), checkpoints and exact resume work as without graphs.
 ///
 /// **Rules, checked at compile time** (each a sentence that says the fix):
 ///  - the accelerator has a graph type (`A::graph_type`; the GPU's is a CUDA graph, compiled in where LibTorch has

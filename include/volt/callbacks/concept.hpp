@@ -62,6 +62,11 @@
 /// `std::string signal_checkpoint_path(const auto& trainer) const` (the first answer is used; none:
 /// `<default_root_dir>/checkpoints/interrupted.ckpt`), so that its `find_last_checkpoint` finds it.
 ///
+/// **The loss in graph mode.** Under `Graphed<...>` the step's loss is an output of a CUDA graph, rewritten by the next
+/// replay, so `on_train_batch_end` gets a copy of it, made once per batch while any hook that takes it may keep it: the
+/// module's own, or a callback's unless the callback declares `static constexpr bool keeps_loss = false` (it reads the
+/// loss, if at all, during the hook: ProgressBar and ModelCheckpoint do).
+///
 /// **Loggers** are callbacks with `on_log_metrics`. One that buffers gives itself `void flush()`: the Trainer
 /// calls it at the end of each training epoch, after each validation or test run, on a stop signal, when a run
 /// fails and when a fit ends, so that a killed run loses nothing written before those points.
@@ -89,6 +94,16 @@ inline constexpr bool monitors_metrics = [] {
     return static_cast<bool>(C::monitors_metrics);
   } else {
     return false;
+  }
+}();
+
+/// Whether the callback may keep the loss `on_train_batch_end` gives it past the hook (graph mode copies it then).
+template <class C>
+inline constexpr bool keeps_loss = [] {
+  if constexpr (requires { C::keeps_loss; }) {
+    return static_cast<bool>(C::keeps_loss);
+  } else {
+    return true;
   }
 }();
 

@@ -68,6 +68,8 @@ class ModelCheckpoint {
   };
 
   static constexpr bool monitors_metrics = true;
+  /// Its on_train_batch_end does not read the loss (graph mode need not copy it).
+  static constexpr bool keeps_loss = false;
   static constexpr const char* kLastName = "last";
   static constexpr const char* kInterruptedName = "interrupted";
   static constexpr const char* kExtension = ".ckpt";

@@ -37,6 +37,9 @@ class ProgressBar {
     double redraws_per_second = 10.0;
   };
 
+  /// Its on_train_batch_end does not read the loss (graph mode need not copy it).
+  static constexpr bool keeps_loss = false;
+
   ProgressBar() : ProgressBar(Options{}) {}
   explicit ProgressBar(Options options) : options_(options) {
     out_ = options_.out != nullptr ? options_.out : &std::cout;

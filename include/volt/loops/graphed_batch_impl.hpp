@@ -111,14 +111,13 @@ torch::Tensor Trainer<S, P, A, Cs...>::graphed_step(Impl& module, Context& ctx, 
 
   // Eager: the warm-up batches (on the captures' stream), and a last batch of another shape.
   const bool warming = gs.warm_batches < accelerator_type::warmup_batches;
-  const bool fits = gs.fits(batch);
+  const std::string mismatch = gs.mismatch(batch);
+  const bool fits = mismatch.empty();
   if (!fits && !is_last) {
     throw StepError("volt: Graphed: training batch " + std::to_string(state_.batch_idx) + " of epoch " +
-                    std::to_string(state_.current_epoch) + " has tensors of shapes [" +
-                    detail::shapes_text(detail::tensors_of(batch)) + "] but the step was captured for [" +
-                    detail::shapes_text(gs.input_tensors) + "]. Graph mode replays one shape (only the epoch's last "
-                    "batch may differ; it runs eagerly): give the loader a fixed batch size, or use the accelerator "
-                    "without Graphed.");
+                    std::to_string(state_.current_epoch) + " " + mismatch + ". Graph mode replays one batch layout "
+                    "and shape (only the epoch's last batch may differ; it runs eagerly): give the loader a fixed batch "
+                    "size and keep values other than tensors out of the batch, or use the accelerator without Graphed.");
   }
   if (warming || !fits) {
     torch::Tensor loss;
@@ -134,7 +133,9 @@ torch::Tensor Trainer<S, P, A, Cs...>::graphed_step(Impl& module, Context& ctx, 
   }
 
   const int v = State::variant(window_start, steps);
-  gs.copy_in(batch, [&](const B& b) { return with_device_batch(b, [](auto& prepared) { return prepared; }); });
+  gs.copy_in(batch, [&](const at::Tensor& t) {
+    return with_device_batch(t, [](const at::Tensor& prepared) { return prepared; });
+  });
   struct Redirect {  // log calls go to the variant's recorder while its step runs on the host
     detail::MetricStore& store;
     detail::LogRecorder& recorder;
@@ -187,7 +188,18 @@ torch::Tensor Trainer<S, P, A, Cs...>::graphed_step(Impl& module, Context& ctx, 
     train_store_.add(c.name, c.value.clone(), c.options, c.on_step, c.on_epoch, c.batch_size);
   }
   if (steps) count_optimizer_step();
-  return gs.loss[v];
+  // The loss is the graph's output, rewritten by the next replay: on_train_batch_end gets a copy where a hook that
+  // takes it may keep it (callbacks/concept.hpp).
+  namespace h = detail::hooks;
+  constexpr bool loss_kept =
+      h::on_train_batch_end::module_has<Impl, torch::Tensor, B, int64_t> ||
+      ((h::on_train_batch_end::callback_has<Cs, Trainer, Impl, torch::Tensor, B, int64_t> && keeps_loss<Cs>) ||
+       ... || false);
+  if constexpr (loss_kept) {
+    return gs.loss[v].clone();
+  } else {
+    return gs.loss[v];
+  }
 }
 
 }  // namespace volt

@@ -55,6 +55,7 @@ void Trainer<S, P, A, Cs...>::setup_run(torch::nn::Module& module) {
     at::globalContext().setBenchmarkCuDNN(false);
     ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   }
+  if (options_.benchmark) at::globalContext().setBenchmarkCuDNN(*options_.benchmark);
   strategy_.setup_environment(accelerator_type::device(strategy_.local_rank()));
   state_.device = strategy_.root_device();
   state_.global_rank = strategy_.global_rank();

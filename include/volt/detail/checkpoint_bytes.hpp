@@ -8,6 +8,8 @@
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 #include <torch/csrc/jit/serialization/import_read.h>
+#include <torch/csrc/jit/serialization/storage_context.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 #include <zlib.h>
 
 #include <fcntl.h>
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -42,6 +45,39 @@ inline uint32_t crc(uint32_t c, const std::string& s) {
   return crc(c, "\0", 1);
 }
 
+/// Refuses a tensor whose sizes, strides and storage offset reach past its storage (a file can claim any of them;
+/// reading such a tensor would read memory that is not its own).
+inline void check_tensor_extent(const at::Tensor& t) {
+  const auto shape = [&] {
+    std::ostringstream s;
+    s << "sizes " << t.sizes() << ", strides " << t.strides() << ", storage offset " << t.storage_offset();
+    return s.str();
+  };
+  if (!t.defined()) throw CheckpointError("volt: a checkpoint holds an undefined tensor: the file is corrupt.");
+  if (t.layout() != c10::kStrided || !t.has_storage()) {
+    throw CheckpointError("volt: a checkpoint holds dense tensors only; this file has a tensor of layout " +
+                          std::string(c10::toString(t.layout())) + ": it is corrupt or not volt's.");
+  }
+  if (t.storage_offset() < 0) {
+    throw CheckpointError("volt: a tensor in this checkpoint has a negative storage offset (" + shape() +
+                          "): the file is corrupt.");
+  }
+  unsigned __int128 last = static_cast<unsigned __int128>(t.storage_offset());  // the last element's index
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) < 0 || t.stride(d) < 0) {
+      throw CheckpointError("volt: a tensor in this checkpoint has a negative size or stride (" + shape() +
+                            "): the file is corrupt.");
+    }
+    if (t.size(d) == 0) return;  // no elements: nothing is read
+    last += static_cast<unsigned __int128>(t.size(d) - 1) * static_cast<unsigned __int128>(t.stride(d));
+  }
+  const unsigned __int128 needed = (last + 1) * t.element_size();
+  if (needed > t.storage().nbytes()) {
+    throw CheckpointError("volt: a tensor in this checkpoint (" + shape() + ") reaches past its storage of " +
+                          std::to_string(t.storage().nbytes()) + " bytes: the file is corrupt.");
+  }
+}
+
 /// CRC-32 over a value's contents in a fixed order (dictionary keys sorted), so it does not depend on
 /// how the file lays them out.
 inline uint32_t checksum(const c10::IValue& v, uint32_t c) {
@@ -57,6 +93,7 @@ inline uint32_t checksum(const c10::IValue& v, uint32_t c) {
   }
   if (v.isString()) return crc(crc(c, "S"), v.toStringRef());
   if (v.isTensor()) {
+    check_tensor_extent(v.toTensor());
     const at::Tensor t = v.toTensor().cpu().contiguous();
     c = crc(crc(c, "X"), std::string(c10::toString(t.scalar_type())));
     for (int64_t s : t.sizes()) c = crc(c, &s, sizeof s);
@@ -220,11 +257,24 @@ inline void check_pickle_lengths(const char* p, std::size_t size) {
 
 /// `torch::pickle_load` over a BoundedReader, with the pickle's lengths checked first: the same archive ("data"),
 /// read within its bytes.
+/// Each tensor's storage is its record's bytes, at the record's own size: LibTorch's Unpickler would size a storage
+/// from the element count the pickle claims, however few bytes its record holds (fuzzing found a tensor whose storage
+/// claimed more than its record had), and `checksum` checks every tensor against its storage before reading it.
 inline c10::IValue unpickle(const std::vector<char>& bytes) {
   caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedReader>(bytes));
   const auto [pickle, size] = reader.getRecord("data.pkl");
   check_pickle_lengths(static_cast<const char*>(pickle.get()), size);
-  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", {}, {}, {}, reader);
+  auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+  const std::string tensor_dir = "data/";
+  for (const auto& name : reader.getAllRecords()) {
+    if (name.size() <= tensor_dir.size() || name.compare(0, tensor_dir.size(), tensor_dir) != 0) continue;
+    auto [data, record_size] = reader.getRecord(name);
+    storages->addStorage(name.substr(tensor_dir.size()),
+                         c10::Storage(c10::Storage::use_byte_size_t(), record_size, std::move(data),
+                                      /*allocator=*/nullptr, /*resizable=*/false));
+  }
+  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", {}, {}, {}, reader,
+                                           torch::jit::Unpickler::defaultTypeParser, storages);
 }
 
 }  // namespace detail

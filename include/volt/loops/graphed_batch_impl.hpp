@@ -152,11 +152,13 @@ torch::Tensor Trainer<S, P, A, Cs...>::graphed_step(Impl& module, Context& ctx, 
     try {
       Redirect redirect(train_store_, gs.logs[v]);
       gs.graphs[v].capture(device, [&] {
-        gs.loss[v] = body(*gs.inputs);
-        if (!gs.loss[v].defined()) {
+        const torch::Tensor loss = body(*gs.inputs);
+        if (!loss.defined()) {
           throw std::invalid_argument("training_step returned no loss (an undefined tensor), so there is no step to "
                                       "capture; in graph mode training_step must return a loss for every batch");
         }
+        // The graph's output: a graph type that runs this again at replay (not CUDA's) writes into the same tensor.
+        gs.loss[v].defined() ? void(gs.loss[v].copy_(loss)) : void(gs.loss[v] = loss);
       }, gs.shared());
       redirect.done();
     } catch (const std::exception& e) {

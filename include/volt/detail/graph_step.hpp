@@ -1,8 +1,8 @@
 #pragma once
 /// \file
 /// What graph mode (`Graphed<...>`, volt/accelerators/graphed.hpp) keeps across a fit: the captured variants of
-/// the training step, the static batch they read, the log calls they make, and the gradients they zero; and the
-/// gradient clipping that reads nothing on the host.
+/// the training step, the static batch they read and the layout every batch must keep, and the log calls they make;
+/// and the gradient clipping that reads nothing on the host.
 
 #include "volt/batch.hpp"
 #include "volt/context.hpp"

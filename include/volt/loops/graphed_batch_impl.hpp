@@ -109,7 +109,7 @@ torch::Tensor Trainer<S, P, A, Cs...>::graphed_step(Impl& module, Context& ctx, 
     return loss.detach();
   };
 
-  // Eager: the warm-up batches (on the captures' stream), and a last batch of another shape.
+  // Eager: the warm-up batches (on the captures' stream), and a last batch of another shape or layout.
   const bool warming = gs.warm_batches < accelerator_type::warmup_batches;
   const std::string mismatch = gs.mismatch(batch);
   const bool fits = mismatch.empty();
@@ -158,7 +158,11 @@ torch::Tensor Trainer<S, P, A, Cs...>::graphed_step(Impl& module, Context& ctx, 
                                       "capture; in graph mode training_step must return a loss for every batch");
         }
         // The graph's output: a graph type that runs this again at replay (not CUDA's) writes into the same tensor.
-        gs.loss[v].defined() ? void(gs.loss[v].copy_(loss)) : void(gs.loss[v] = loss);
+        if (gs.loss[v].defined()) {
+          gs.loss[v].copy_(loss);
+        } else {
+          gs.loss[v] = loss;
+        }
       }, gs.shared());
       redirect.done();
     } catch (const std::exception& e) {

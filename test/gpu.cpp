@@ -62,16 +62,6 @@ struct PoisonedImpl : vt::RegressorImpl {
   }
 };
 
-/// The loss scale after each optimizer step and whether that step was skipped.
-struct ScaleRecorder {
-  std::vector<double> scales;
-  std::vector<bool> skipped;
-  template <class T, class M, class B>
-  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
-    scales.push_back(trainer.precision().scaler().get_scale());
-    skipped.push_back(trainer.precision().scaler().last_step_skipped());
-  }
-};
 
 /// The independent reference: the same model, data and poison in a hand-written CUDA loop that scales the loss
 /// and calls ATen's own AMP kernels, as PyTorch's torch.amp.GradScaler does (init 65536, growth 2 every 2000
@@ -120,11 +110,11 @@ TEST_CASE("GPU Fp16Mixed: loss scale and skipped steps equal a loop on ATen's AM
   PoisonedImpl a;
   vt::RegressorImpl b;
   vt::copy_weights(a, b);
-  auto t = volt::make_trainer<volt::SingleDevice, volt::Fp16Mixed, volt::GPU>({.max_epochs = 3}, ScaleRecorder{});
+  auto t = volt::make_trainer<volt::SingleDevice, volt::Fp16Mixed, volt::GPU>({.max_epochs = 3}, vt::ScaleRecorder{});
   t.fit(a, loader);
   AtenAmpLoop ref;
   ref.run(b, loader, 3, a.poison_step);
-  const auto& got = t.callback<ScaleRecorder>();
+  const auto& got = t.callback<vt::ScaleRecorder>();
   REQUIRE(ref.scales.size() == 24);
   CHECK(t.global_step() == 24);
   CHECK(got.scales == ref.scales);

@@ -505,31 +505,21 @@ double largest_difference(const std::vector<torch::Tensor>& a, const std::vector
   return d;
 }
 
-/// The loss scale after each batch and whether its step was skipped.
-struct ScaleSequence {
-  std::vector<double> scales;
-  std::vector<bool> skipped;
-  template <class T, class M, class B>
-  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
-    scales.push_back(trainer.precision().scaler().get_scale());
-    skipped.push_back(trainer.precision().scaler().last_step_skipped());
-  }
-};
 
 /// Fp16Mixed for 2 epochs of 6 batches, where batch 4 of the first epoch (a replay in graph mode) holds a value that
 /// overflows float16, so its step is skipped and the scale backs off; a growth interval of 3 makes it grow too.
 template <class A>
-std::pair<std::vector<torch::Tensor>, ScaleSequence> fp16_fit() {
+std::pair<std::vector<torch::Tensor>, vt::ScaleRecorder> fp16_fit() {
   GraphNet m;
   auto [x, y] = vt::regression_data(48);
   x[33][0] = 1e6;  // batch 4 (rows 32..39) of the first epoch
   volt::data::TensorLoader loader(x, y, {.batch_size = 8});
-  auto t = volt::make_trainer<volt::SingleDevice, volt::Fp16Mixed, A>({.max_epochs = 2}, ScaleSequence{});
+  auto t = volt::make_trainer<volt::SingleDevice, volt::Fp16Mixed, A>({.max_epochs = 2}, vt::ScaleRecorder{});
   t.precision() = volt::Fp16Mixed(volt::GradScalerOptions{.init_scale = 1024, .growth_interval = 3});
   t.fit(m, loader);
   std::vector<torch::Tensor> weights;
   for (const auto& p : m->parameters()) weights.push_back(p.detach().cpu().clone());
-  return {weights, t.template callback<ScaleSequence>()};
+  return {weights, t.template callback<vt::ScaleRecorder>()};
 }
 
 struct SyncingNetImpl : GraphNetImpl {

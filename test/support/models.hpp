@@ -208,4 +208,15 @@ inline bool same_weights(torch::nn::Module& a, torch::nn::Module& b) {
   return true;
 }
 
+/// A callback: the loss scale (Fp16Mixed) after each training batch and whether the batch's step was skipped.
+struct ScaleRecorder {
+  std::vector<double> scales;
+  std::vector<bool> skipped;
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
+    scales.push_back(trainer.precision().scaler().get_scale());
+    skipped.push_back(trainer.precision().scaler().last_step_skipped());
+  }
+};
+
 }  // namespace vt

@@ -1,7 +1,9 @@
 // Trainer vs a hand-written LibTorch loop: same model, in-memory batches, optimizer and precision, in one
 // process, rounds interleaved (raw, trainer, raw, trainer, ...). Prints one JSON line per case with the median
-// step time of each and their ratio (trainer / raw; goal: <= 1.02 on CPU, <= 1.01 on GPU).
-//   trainer_vs_raw [--rounds 7] [--steps 200] [--warmup 20] [--device cpu|cuda]
+// step time of each and their ratio (trainer / raw; goal: <= 1.02 on CPU, <= 1.01 on GPU). The cases: a small MLP
+// and a CNN with LibTorch's SGD, and an MLP 784-256-256-10 (batch 128) with LibTorch's Adam and with volt::optim::Adam,
+// whose fused step is short enough that the Trainer's own cost per step shows.
+//   trainer_vs_raw [--rounds 7] [--steps 200] [--warmup 20] [--device cpu|cuda] [--case NAME]
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
@@ -41,21 +43,46 @@ struct CnnImpl : torch::nn::Module {
   }
 };
 
+struct Mlp784Impl : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  Mlp784Impl() {
+    a = register_module("a", torch::nn::Linear(784, 256));
+    b = register_module("b", torch::nn::Linear(256, 256));
+    c = register_module("c", torch::nn::Linear(256, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return c(torch::relu(b(torch::relu(a(x))))); }
+};
+
+/// The optimizers of the cases: each makes its optimizer for a set of parameters.
+struct Sgd {
+  static torch::optim::SGD make(const std::vector<torch::Tensor>& p) {
+    return torch::optim::SGD(p, torch::optim::SGDOptions(0.01).momentum(0.9));
+  }
+};
+struct TorchAdam {
+  static torch::optim::Adam make(const std::vector<torch::Tensor>& p) {
+    return torch::optim::Adam(p, torch::optim::AdamOptions(1e-3));
+  }
+};
+struct FusedAdam {
+  static volt::optim::Adam make(const std::vector<torch::Tensor>& p) {
+    return volt::optim::Adam(p, torch::optim::AdamOptions(1e-3));
+  }
+};
+
 /// The model as volt sees it: the same forward, a training step with the same loss, the same optimizer.
-template <class Net>
+template <class Net, class Opt>
 struct Lit : Net {
   torch::Tensor training_step(const Batch& batch, volt::Context&) {
     return torch::nn::functional::cross_entropy(this->forward(batch.data), batch.target);
   }
-  torch::optim::SGD configure_optimizers() {
-    return torch::optim::SGD(this->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  }
+  auto configure_optimizers() { return Opt::make(this->parameters()); }
 };
 
 /// What the user would write by hand with the same precision: the autocast region, then the usual four lines.
-template <class P, class Net>
+template <class P, class Opt, class Net>
 void raw_steps(Net& net, std::vector<Batch>& batches, c10::DeviceType device) {
-  torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto opt = Opt::make(net.parameters());
   for (auto& batch : batches) {
     opt.zero_grad();
     torch::Tensor loss;
@@ -89,12 +116,15 @@ struct Config {
   int64_t steps = 200;
   int64_t warmup = 20;
   bool cuda = false;
+  /// Only this case (empty: all).
+  std::string only;
 };
 
-template <class Net, class P, class A>
+template <class Net, class Opt, class P, class A>
 void run_case(const char* name, const Config& cfg, std::vector<Batch> batches) {
+  if (!cfg.only.empty() && cfg.only != name) return;
   const c10::DeviceType dt = A::device_type;
-  Lit<Net> raw_net, volt_net;
+  Lit<Net, Opt> raw_net, volt_net;
   raw_net.to(A::device(0));
   volt_net.to(A::device(0));
   using Clock = std::chrono::steady_clock;
@@ -104,7 +134,7 @@ void run_case(const char* name, const Config& cfg, std::vector<Batch> batches) {
   auto time_raw = [&](std::vector<Batch>& b) {
     sync();
     const auto t0 = Clock::now();
-    raw_steps<P>(raw_net, b, dt);
+    raw_steps<P, Opt>(raw_net, b, dt);
     sync();
     return std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / static_cast<double>(b.size());
   };
@@ -149,8 +179,11 @@ std::vector<Batch> make_batches(int64_t n, std::vector<int64_t> shape, const tor
 template <class A, class... Ps>
 void run_all(const Config& cfg) {
   const auto device = A::device(0);
-  (run_case<MlpImpl, Ps, A>("mlp", cfg, make_batches<A>(cfg.steps, {64, 64}, device)), ...);
-  (run_case<CnnImpl, Ps, A>("cnn", cfg, make_batches<A>(cfg.steps, {32, 1, 28, 28}, device)), ...);
+  (run_case<MlpImpl, Sgd, Ps, A>("mlp", cfg, make_batches<A>(cfg.steps, {64, 64}, device)), ...);
+  (run_case<CnnImpl, Sgd, Ps, A>("cnn", cfg, make_batches<A>(cfg.steps, {32, 1, 28, 28}, device)), ...);
+  (run_case<Mlp784Impl, TorchAdam, Ps, A>("mlp784_adam", cfg, make_batches<A>(cfg.steps, {128, 784}, device)), ...);
+  (run_case<Mlp784Impl, FusedAdam, Ps, A>("mlp784_fused_adam", cfg, make_batches<A>(cfg.steps, {128, 784}, device)),
+   ...);
 }
 
 }  // namespace
@@ -164,8 +197,10 @@ int main(int argc, char** argv) {
     else if (a == "--steps") cfg.steps = std::stoll(next());
     else if (a == "--warmup") cfg.warmup = std::stoll(next());
     else if (a == "--device") cfg.cuda = next() == "cuda";
+    else if (a == "--case") cfg.only = next();
     else {
-      std::cerr << "usage: trainer_vs_raw [--rounds N] [--steps N] [--warmup N] [--device cpu|cuda]\n";
+      std::cerr << "usage: trainer_vs_raw [--rounds N] [--steps N] [--warmup N] [--device cpu|cuda] "
+                   "[--case mlp|cnn|mlp784_adam|mlp784_fused_adam]\n";
       return 2;
     }
   }

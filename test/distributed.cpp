@@ -157,6 +157,108 @@ int fit_scenario(int accumulate, bool fused) {
   return failures == 0 ? 0 : 1;
 }
 
+// ---- manual optimization under DDP ---------------------------------------------------------------------------
+
+/// The net with manual optimization: SGD steps `a` and `b` on every batch (their parameters alone toggled on), Adam
+/// steps `c` every second batch, its gradients accumulated by hand over two batches with the first backward under
+/// ctx.no_sync() (its loss a second forward, halved).
+struct ManualNetImpl : NetImpl {
+  static constexpr bool automatic_optimization = false;
+  std::tuple<std::unique_ptr<torch::optim::SGD>, std::unique_ptr<torch::optim::Adam>> configure_optimizers() {
+    std::vector<torch::Tensor> ab = a->parameters();
+    for (const auto& p : b->parameters()) ab.push_back(p);
+    return {std::make_unique<torch::optim::SGD>(ab, torch::optim::SGDOptions(0.1).momentum(0.9)),
+            std::make_unique<torch::optim::Adam>(c->parameters(), torch::optim::AdamOptions(1e-2))};
+  }
+  void training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    auto opts = ctx.optimizers();
+    ctx.toggle_optimizer(opts[0]);
+    auto loss = (forward(batch.data) - batch.target).pow(2).mean();
+    opts[0].zero_grad();
+    // `c` is frozen while `a` and `b` train: its gradient (on odd batches, this rank's own half of the accumulation)
+    // must come out of the synchronised backward as it went in.
+    const torch::Tensor c_grad = c->weight.grad().defined() ? c->weight.grad().clone() : torch::Tensor();
+    ctx.manual_backward(loss);
+    if (c_grad.defined() != c->weight.grad().defined() || (c_grad.defined() && !torch::equal(c_grad, c->weight.grad()))) {
+      throw std::runtime_error("the backward for a and b changed the gradient of the frozen c");
+    }
+    opts[0].step();
+    ctx.untoggle_optimizer(opts[0]);
+    ctx.toggle_optimizer(opts[1]);
+    auto half = (forward(batch.data) - batch.target).pow(2).mean() / 2;
+    if (ctx.batch_idx() % 2 == 0) {
+      opts[1].zero_grad();
+      auto no_sync = ctx.no_sync();
+      ctx.manual_backward(half);
+    } else {
+      ctx.manual_backward(half);
+      opts[1].step();
+    }
+    ctx.untoggle_optimizer(opts[1]);
+    ctx.log("loss", loss, {.sync_dist = true});
+  }
+};
+TORCH_MODULE(ManualNet);
+
+/// The one-process reference of ManualNet on the global batches (see reference_weights).
+torch::Tensor manual_reference_weights(int64_t n, int epochs) {
+  auto [x, y] = data(n);
+  Net net;
+  std::vector<torch::Tensor> ab = net->a->parameters();
+  for (const auto& p : net->b->parameters()) ab.push_back(p);
+  torch::optim::SGD first(ab, torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::Adam second(net->c->parameters(), torch::optim::AdamOptions(1e-2));
+  auto freeze = [&](std::vector<torch::Tensor> ps, bool on) {
+    for (auto& p : ps) p.set_requires_grad(on);
+  };
+  const int64_t local = n / kWorld, batches = local / kBatch;
+  for (int e = 0; e < epochs; ++e) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(kSeed + static_cast<uint64_t>(e));
+    auto perm = torch::randperm(n, gen, torch::kLong);
+    for (int64_t i = 0; i < batches; ++i) {
+      std::vector<torch::Tensor> idx;
+      for (int r = 0; r < kWorld; ++r) idx.push_back(perm.slice(0, r, n, kWorld).slice(0, i * kBatch, (i + 1) * kBatch));
+      auto id = torch::cat(idx);
+      const auto bx = x.index_select(0, id), by = y.index_select(0, id);
+      freeze(net->c->parameters(), false);
+      first.zero_grad();
+      (net->forward(bx) - by).pow(2).mean().backward();
+      first.step();
+      freeze(net->c->parameters(), true);
+      freeze(ab, false);
+      if (i % 2 == 0) second.zero_grad();
+      ((net->forward(bx) - by).pow(2).mean() / 2).backward();
+      if (i % 2 == 1) second.step();
+      freeze(ab, true);
+    }
+  }
+  return flat(*net);
+}
+
+template <class L>
+int manual_scenario() {
+  const int64_t n = 64;
+  const int epochs = 2;
+  auto [x, y] = data(n);
+  ManualNet net;
+  volt::Trainer<volt::DDP<L, volt::Mpi>> trainer({.devices = kWorld, .max_epochs = epochs});
+  trainer.strategy().set_bucket_bytes(256, 512);  // several buckets, some holding parameters of both optimizers
+  volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
+  trainer.fit(net, loader);
+  if (std::is_same_v<L, volt::Spawn> || trainer.is_global_zero()) {
+    const torch::Tensor want = manual_reference_weights(n, epochs);
+    const torch::Tensor got = flat(*net);
+    const double diff = (got - want).abs().max().item<double>();
+    std::cout << "max |ddp manual - reference| = " << diff << std::endl;
+    check(torch::allclose(got, want, 1e-5, 1e-6),
+          "DDP manual-optimization weights equal the one-process reference (max diff " + std::to_string(diff) + ")");
+    const int64_t batches = n / kWorld / kBatch, steps = epochs * (batches + batches / 2);
+    check(trainer.global_step() == steps, "global_step() = " + std::to_string(trainer.global_step()) + " counts both "
+          "optimizers' steps (want " + std::to_string(steps) + ")");
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 /// Records the sample indices (the data is the index) each rank sees. At every epoch's end the ranks'
 /// lists are gathered and rank 0 checks them; a wrong epoch throws, which fails the fit in every launcher
 /// (under Spawn, code after fit does not run in the workers, so the checks live inside the fit).
@@ -399,6 +501,11 @@ const Mode kModes[] = {
          }
        }
        return spawn_given(a) ? fit_scenario<volt::Spawn>(k, fused) : fit_scenario<volt::Script>(k, fused);
+     }},
+    {"manual", "<script|spawn>: DDP on 2 ranks with manual optimization (two optimizers, toggling, no_sync) against "
+               "one process's hand-written loop",
+     [](const std::vector<std::string>& a) {
+       return spawn_given(a) ? manual_scenario<volt::Spawn>() : manual_scenario<volt::Script>();
      }},
     {"indices", "<script|spawn> n: every sample once per epoch across ranks (padded as DistributedSampler)",
      [](const std::vector<std::string>& a) {

@@ -153,3 +153,81 @@ TEST_CASE("GPU Fp16Mixed resumed mid-run from a checkpoint ends bit-identical, l
   }
   std::filesystem::remove_all(dir);
 }
+
+namespace {
+/// Manual optimization with two heads, an SGD each, under Fp16Mixed: both losses backward, then both optimizers step;
+/// at `poison_step` the second head's gradient gets an inf after its backward.
+struct TwoHeads : torch::nn::Module {
+  static constexpr bool automatic_optimization = false;
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  int64_t batch = 0, poison_step = 3;
+  TwoHeads() {
+    torch::manual_seed(9);
+    a = register_module("a", torch::nn::Linear(4, 1));
+    b = register_module("b", torch::nn::Linear(4, 1));
+  }
+  std::tuple<torch::optim::SGD, torch::optim::SGD> configure_optimizers() {
+    return {torch::optim::SGD(a->parameters(), 0.05), torch::optim::SGD(b->parameters(), 0.05)};
+  }
+  void training_step(const torch::data::Example<>& x, volt::Context& ctx) {
+    auto opts = ctx.optimizers();
+    opts[0].zero_grad();
+    opts[1].zero_grad();
+    ctx.manual_backward(vt::mse(a(x.data), x.target));
+    ctx.manual_backward(vt::mse(b(x.data), x.target));
+    if (batch++ == poison_step) {
+      torch::NoGradGuard g;
+      b->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+    }
+    opts[0].step();
+    opts[1].step();
+  }
+};
+}  // namespace
+
+TEST_CASE("GPU Fp16Mixed with two optimizers: one loss scale, as ATen's AMP kernels with PyTorch's GradScaler", "[.gpu]") {
+  auto loader = gpu_loader(128, 16);
+  TwoHeads m, ref;
+  volt::Trainer<volt::SingleDevice, volt::Fp16Mixed, volt::GPU> t({.max_epochs = 2});
+  t.fit(m, loader);
+  // The reference: the loss scaled for each backward, each optimizer unscaled by ATen's kernel with a found_inf of its
+  // own and skipped on it, one _amp_update_scale_ per batch on the sum of both found_infs.
+  ref.to(torch::kCUDA);
+  torch::optim::SGD oa(ref.a->parameters(), 0.05), ob(ref.b->parameters(), 0.05);
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCUDA);
+  torch::Tensor scale = torch::full({1}, 65536.0f, f32), tracker = torch::zeros({1}, f32.dtype(torch::kInt32));
+  int64_t step = 0;
+  for (int e = 0; e < 2; ++e) {
+    for (auto batch : loader) {
+      const auto x = batch.data.cuda(), y = batch.target.cuda();
+      oa.zero_grad();
+      ob.zero_grad();
+      torch::Tensor la, lb;
+      {
+        volt::detail::AutocastGuard autocast(c10::DeviceType::CUDA, at::kHalf);
+        la = vt::mse(ref.a(x), y);
+        lb = vt::mse(ref.b(x), y);
+      }
+      (la * scale).backward();
+      (lb * scale).backward();
+      if (step++ == ref.poison_step) {
+        torch::NoGradGuard g;
+        ref.b->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+      }
+      torch::Tensor total = torch::zeros({1}, f32);
+      for (auto* opt : {static_cast<torch::optim::Optimizer*>(&oa), static_cast<torch::optim::Optimizer*>(&ob)}) {
+        std::vector<torch::Tensor> grads;
+        for (auto& p : opt->param_groups()[0].params()) grads.push_back(p.grad());
+        torch::Tensor found = torch::zeros({1}, f32);
+        at::_amp_foreach_non_finite_check_and_unscale_(grads, found, scale.to(torch::kFloat64).reciprocal().to(torch::kFloat32));
+        if (found.item<float>() == 0.0f) opt->step();
+        total = total + found;
+      }
+      at::_amp_update_scale_(scale, tracker, total, 2.0, 0.5, 2000);
+    }
+  }
+  CHECK(t.precision().scaler().get_scale() == scale.item<float>());
+  CHECK(t.precision().scaler().get_scale() == 32768.0);  // one back-off, from the poisoned batch
+  CHECK(t.global_step() == 2 * 8 * 2);
+  CHECK(torch::equal(vt::flat_params(m).cpu(), vt::flat_params(ref).cpu()));
+}

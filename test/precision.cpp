@@ -131,6 +131,7 @@ TEST_CASE("Fp16Mixed's loss scaling matches an unscaled reference loop on CPU te
     precision.backward(vt::mse(a.forward(x), y));
     precision.unscale_gradients(oa);
     CHECK(precision.optimizer_step(oa));
+    precision.update();
     ob.zero_grad();
     vt::mse(b.forward(x), y).backward();
     ob.step();

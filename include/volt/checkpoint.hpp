@@ -11,7 +11,7 @@
 /// | `optimizer_states` | per optimizer, its LibTorch archive as a uint8 tensor |
 /// | `lr_schedulers` | per scheduler, `{"step_count": n}` |
 /// | `precision` | the precision's state (Fp16Mixed: the loss scaler's `scale`, `_growth_tracker`, ...) |
-/// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size` |
+/// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size`, `optimizer_steps` (each optimizer's steps) |
 /// | `loaders` | `{"train": position}` (data/concept.hpp's LoaderState) when the training loader keeps one |
 /// | `metrics` | the training epoch's running metric sums, so epoch means stay whole across a resume |
 /// | `rng` | `cpu` (and `cuda`): every rank's generator state, in rank order |
@@ -25,10 +25,10 @@
 ///
 /// This file is the format and its generic pieces (atomic write, checked read, weights, optimizer archives,
 /// generators); the byte-level pieces under them (the error type, the checksum, bounded zip reads, pickle length
-/// checks) are volt/detail/checkpoint_bytes.hpp. What a fit writes into it and reads back to resume, each entry's
+/// checks) are volt/checkpoint/bytes.hpp. What a fit writes into it and reads back to resume, each entry's
 /// writer next to its reader, is volt/connectors/checkpoint_connector.hpp.
 
-#include "volt/detail/checkpoint_bytes.hpp"
+#include "volt/checkpoint/bytes.hpp"
 #include "volt/version.hpp"
 
 #include <ATen/Context.h>
@@ -58,6 +58,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -69,6 +70,20 @@ namespace checkpoint {
 
 inline constexpr const char* kFormat = "volt.checkpoint";
 inline constexpr int64_t kFormatVersion = 1;
+
+/// The entries of a full checkpoint (the table above says what each holds).
+namespace keys {
+inline constexpr const char* state_dict = "state_dict";
+inline constexpr const char* optimizer_states = "optimizer_states";
+inline constexpr const char* lr_schedulers = "lr_schedulers";
+inline constexpr const char* precision = "precision";
+inline constexpr const char* loops = "loops";
+inline constexpr const char* loaders = "loaders";
+inline constexpr const char* metrics = "metrics";
+inline constexpr const char* rng = "rng";
+inline constexpr const char* callbacks = "callbacks";
+inline constexpr const char* accumulated_grads = "accumulated_grads";
+}  // namespace keys
 
 using Dict = c10::impl::GenericDict;
 
@@ -241,6 +256,16 @@ inline c10::IValue entry(const Dict& d, const std::string& key, const std::strin
 }
 
 // ---- pieces --------------------------------------------------------------------------------------------
+
+/// The state a checkpoint file holds for the callback with key `key`, if any (ModelCheckpoint finds its
+/// best checkpoint in its newest file this way).
+inline std::optional<Dict> saved_callback_state(const std::string& path, const std::string& key) {
+  const Dict d = read(path);
+  if (!d.contains(keys::callbacks)) return std::nullopt;
+  const auto states = d.at(keys::callbacks).toGenericDict();
+  if (!states.contains(key)) return std::nullopt;
+  return states.at(key).toGenericDict();
+}
 
 /// The module's parameters and buffers by dotted name (CPU tensors), as PyTorch's `state_dict()`.
 inline c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module) {

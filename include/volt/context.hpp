@@ -11,9 +11,16 @@
 /// \endcode
 /// A Context is not tied to the Trainer's type, so modules stay plain classes.
 
+#include "volt/connectors/metric_store.hpp"
+#include "volt/errors.hpp"
+#include "volt/options.hpp"
+
 #include <c10/util/Type.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
 #include <torch/types.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <map>
@@ -40,156 +47,7 @@ inline const char* to_string(Stage s) {
   return "?";
 }
 
-/// How a logged value is reduced over an epoch (and across ranks when `sync_dist` is set).
-/// `mean` is weighted by batch size, as Lightning's default.
-enum class Reduce { mean, sum, max, min };
-
-/// Options of one `Context::log` call; Lightning's `self.log` keywords.
-struct LogOptions {
-  /// Show in the progress bar.
-  bool prog_bar = false;
-  /// Send to loggers (CSVLogger and any callback with `on_log_metrics`).
-  bool logger = true;
-  /// Keep the value of every step. Default: true in training steps and batch hooks, false elsewhere.
-  std::optional<bool> on_step;
-  /// Reduce over the epoch. Default: the opposite of the on_step default.
-  std::optional<bool> on_epoch;
-  /// How the epoch value is formed.
-  Reduce reduce = Reduce::mean;
-  /// Reduce the epoch value across ranks too.
-  bool sync_dist = false;
-  /// The weight of this value in the epoch mean; default: the first dimension of the batch's first tensor.
-  std::optional<int64_t> batch_size;
-};
-
 namespace detail {
-
-/// One logged name within one loop run (a training epoch, a validation run).
-struct MetricEntry {
-  std::string name;
-  bool on_step = false, on_epoch = false, prog_bar = false, logger = true, sync_dist = false;
-  Reduce reduce = Reduce::mean;
-  torch::Tensor step_value;  // the last step's value, detached
-  bool step_fresh = false;   // logged since the last publication
-  torch::Tensor accumulated;  // mean: sum of value * weight; sum: sum; max/min: running extreme
-  double weight = 0.0;        // mean: sum of batch sizes; others: number of values
-  std::string step_key() const { return on_step && on_epoch ? name + "_step" : name; }
-  std::string epoch_key() const { return on_step && on_epoch ? name + "_epoch" : name; }
-};
-
-/// One `Context::log` call as a captured training step made it (graph mode): its value is the graph's output,
-/// which each replay overwrites.
-struct LogCall {
-  std::string name;
-  torch::Tensor value;
-  LogOptions options;
-  bool on_step = false, on_epoch = false;
-  int64_t batch_size = 1;
-};
-
-/// The log calls of one captured step, in call order. The first pass over the step that logs records them; a later
-/// pass that runs the step's host code again (a graph type that re-runs it) updates their values, and must make the
-/// same calls; a pass that runs no host code (a CUDA graph's replay) makes none.
-class LogRecorder {
- public:
-  /// Starts a pass over the step.
-  void begin() { next_ = 0; }
-  void take(std::string_view name, const torch::Tensor& value, const LogOptions& o, bool on_step, bool on_epoch,
-            int64_t batch_size) {
-    if (!closed_ && next_ == calls_.size()) {
-      calls_.push_back(LogCall{std::string(name), value.detach(), o, on_step, on_epoch, batch_size});
-    } else if (next_ < calls_.size() && calls_[next_].name == name) {
-      calls_[next_].value = value.detach();
-    } else {
-      differs(name);
-    }
-    ++next_;
-  }
-  /// Ends a pass: the calls are fixed once a pass has made some.
-  void end() {
-    if (closed_ && next_ != 0 && next_ != calls_.size()) differs("");
-    if (!calls_.empty()) closed_ = true;
-  }
-  const std::vector<LogCall>& calls() const { return calls_; }
-
- private:
-  [[noreturn]] void differs(std::string_view name) const {
-    throw std::logic_error("volt: Graphed: training_step made log calls (" +
-                           (name.empty() ? std::to_string(next_) + " of them" : "\"" + std::string(name) + "\" as call " +
-                                                                                    std::to_string(next_ + 1)) +
-                           ") that differ from those of the step that was captured (" +
-                           std::to_string(calls_.size()) + "); a captured step must log the same names in the same "
-                           "order every time.");
-  }
-  std::vector<LogCall> calls_;
-  std::size_t next_ = 0;
-  bool closed_ = false;
-};
-
-/// The values logged during one loop run. Few names per run: a vector searched linearly beats a map.
-/// Accumulation uses out-of-place ops only, so values computed under InferenceMode mix with normal ones.
-class MetricStore {
- public:
-  void clear() { entries_.clear(); }
-  std::vector<MetricEntry>& entries() { return entries_; }
-  /// While set, log calls go to `recorder` instead (a step being captured); null: back to this store.
-  void redirect(LogRecorder* recorder) { recorder_ = recorder; }
-
-  void add(std::string_view name, const torch::Tensor& value, const LogOptions& o, bool on_step, bool on_epoch,
-           int64_t batch_size) {
-    if (recorder_ != nullptr) {
-      check_scalar(name, value);
-      recorder_->take(name, value, o, on_step, on_epoch, batch_size);
-      return;
-    }
-    MetricEntry* e = find(name);
-    if (e == nullptr) {
-      entries_.push_back(MetricEntry{std::string(name), on_step, on_epoch, o.prog_bar, o.logger, o.sync_dist,
-                                     o.reduce, {}, false, {}, 0.0});
-      e = &entries_.back();
-    } else if (e->on_step != on_step || e->on_epoch != on_epoch || e->reduce != o.reduce) {
-      throw std::invalid_argument("volt: \"" + std::string(name) +
-                                  "\" was logged twice in one loop with different on_step/on_epoch/reduce options; "
-                                  "log each name with one set of options.");
-    }
-    check_scalar(name, value);
-    torch::Tensor v = value.detach().reshape({});
-    if (on_step) {
-      e->step_value = v;
-      e->step_fresh = true;
-    }
-    if (on_epoch) {
-      v = v.to(torch::kFloat64);
-      const double w = e->reduce == Reduce::mean ? static_cast<double>(batch_size) : 1.0;
-      if (!e->accumulated.defined()) {
-        e->accumulated = e->reduce == Reduce::mean ? v * w : v;
-      } else {
-        switch (e->reduce) {
-          case Reduce::mean: e->accumulated = e->accumulated + v * w; break;
-          case Reduce::sum: e->accumulated = e->accumulated + v; break;
-          case Reduce::max: e->accumulated = torch::maximum(e->accumulated, v); break;
-          case Reduce::min: e->accumulated = torch::minimum(e->accumulated, v); break;
-        }
-      }
-      e->weight += w;
-    }
-  }
-
- private:
-  static void check_scalar(std::string_view name, const torch::Tensor& value) {
-    if (value.numel() != 1) {
-      throw std::invalid_argument("volt: log(\"" + std::string(name) + "\") needs a single value, got a tensor of " +
-                                  std::to_string(value.numel()) + " elements; reduce it first (e.g. .mean()).");
-    }
-  }
-  MetricEntry* find(std::string_view name) {
-    for (auto& e : entries_)
-      if (e.name == name) return &e;
-    return nullptr;
-  }
-  std::vector<MetricEntry> entries_;
-  LogRecorder* recorder_ = nullptr;
-};
 
 /// The strategy's collectives, as a module sees them through its Context (not tied to the strategy's type).
 struct Collectives {
@@ -214,6 +72,24 @@ class StrategyCollectives final : public Collectives {
   S* s_;
 };
 
+/// What a Context reaches under manual optimization: the fit's manual step (loops/manual_step.hpp), not tied to the
+/// Trainer's type. `i` is an optimizer's index in what configure_optimizers returned.
+class ManualOptimization {
+ public:
+  virtual ~ManualOptimization() = default;
+  virtual std::size_t size() const = 0;
+  virtual torch::optim::Optimizer& optimizer(std::size_t i) = 0;
+  virtual torch::optim::LRScheduler* scheduler(std::size_t i) = 0;
+  virtual void backward(const torch::Tensor& loss) = 0;
+  virtual bool step(std::size_t i) = 0;
+  virtual void zero_grad(std::size_t i) = 0;
+  virtual void clip(std::size_t i, double value, ClipAlgorithm algorithm) = 0;
+  virtual void toggle(std::size_t i) = 0;
+  virtual void untoggle(std::size_t i) = 0;
+  /// Sets whether manual_backward synchronises gradients across ranks; returns the previous setting.
+  virtual bool set_sync(bool sync) = 0;
+};
+
 /// Where the loops stand; the Trainer owns it and every Context points at it.
 struct LoopState {
   Stage stage = Stage::train;
@@ -228,19 +104,8 @@ struct LoopState {
   int64_t (*batch_size_of)(const void*) = nullptr;  // typed by the loop that set `batch`; -1: cannot tell
   const std::type_info* batch_type = nullptr;        // for messages
   Collectives* collectives = nullptr;                // the strategy's, set when a run starts
+  ManualOptimization* manual = nullptr;              // the fit's manual step, under manual optimization
 };
-
-}  // namespace detail
-
-/// An exception thrown by a module's step, with where it was thrown: the step, the stage, the epoch, the batch
-/// and the rank (`volt: training_step failed in epoch 2, batch 17 (global step 81): Target 10 is out of bounds.`).
-/// The original exception is nested in it (`std::rethrow_if_nested` gives it back).
-class StepError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-namespace detail {
 
 /// Runs a module's step `f`; an exception from it comes out as a StepError that says where, with the original
 /// nested (`step`: "training_step", ...).
@@ -267,6 +132,34 @@ decltype(auto) run_module_step(const LoopState& state, const char* step, F&& f) 
 }
 
 }  // namespace detail
+
+/// One of the fit's optimizers as a module steps it under manual optimization (Lightning's `LightningOptimizer`):
+/// `ctx.optimizers()` gives one per optimizer configure_optimizers returned, in its order. Valid during the fit.
+class ManualOptimizer {
+ public:
+  ManualOptimizer(detail::ManualOptimization& engine, std::size_t index) : engine_(&engine), index_(index) {}
+
+  /// Steps the optimizer through the precision: its gradients unscaled (unless clip_gradients already did),
+  /// `on_before_optimizer_step` called, the step skipped when an inf/NaN was found (Fp16Mixed), `global_step`
+  /// counted, and its scheduler stepped when it has `Interval::step` and its frequency's turn has come. Returns
+  /// whether the optimizer stepped. Under a precision that scales the loss (Fp16Mixed), each optimizer steps at most
+  /// once per training_step: the scale is updated once, after it.
+  bool step() { return engine_->step(index_); }
+  /// Sets its parameters' gradients to none (LibTorch's `zero_grad(set_to_none = true)`).
+  void zero_grad() { engine_->zero_grad(index_); }
+  /// The optimizer itself (its param_groups, its state).
+  torch::optim::Optimizer& optimizer() const { return engine_->optimizer(index_); }
+  torch::optim::Optimizer* operator->() const { return &engine_->optimizer(index_); }
+  /// Its scheduler (null when it has none).
+  torch::optim::LRScheduler* lr_scheduler() const { return engine_->scheduler(index_); }
+  /// Its index in what configure_optimizers returned.
+  std::size_t index() const { return index_; }
+
+ private:
+  friend class Context;
+  detail::ManualOptimization* engine_;
+  std::size_t index_;
+};
 
 /// Handed to every step and hook of a module.
 class Context {
@@ -300,6 +193,66 @@ class Context {
   void barrier() {
     if (state_->collectives) state_->collectives->barrier();
   }
+
+  // ---- manual optimization (a module with `static constexpr bool automatic_optimization = false;`) ----
+
+  /// The fit's optimizers, in the order configure_optimizers returned them (Lightning's `self.optimizers()`).
+  std::vector<ManualOptimizer> optimizers() {
+    detail::ManualOptimization& m = manual("optimizers()");
+    std::vector<ManualOptimizer> out;
+    for (std::size_t i = 0; i < m.size(); ++i) out.emplace_back(m, i);
+    return out;
+  }
+  /// Optimizer `i` (0 by default).
+  ManualOptimizer optimizer(std::size_t i = 0) {
+    detail::ManualOptimization& m = manual("optimizer(i)");
+    if (i >= m.size()) {
+      throw std::out_of_range("volt: optimizer(" + std::to_string(i) + ") was asked for; the fit has " +
+                              std::to_string(m.size()) + " optimizer" + (m.size() == 1 ? "" : "s") + ", indices 0 to " +
+                              std::to_string(m.size() - 1) + ".");
+    }
+    return {m, i};
+  }
+  /// Each optimizer's scheduler, in optimizer order (null where one has none).
+  std::vector<torch::optim::LRScheduler*> lr_schedulers() {
+    detail::ManualOptimization& m = manual("lr_schedulers()");
+    std::vector<torch::optim::LRScheduler*> out;
+    for (std::size_t i = 0; i < m.size(); ++i) out.push_back(m.scheduler(i));
+    return out;
+  }
+  /// Backward of `loss` through the precision (Fp16Mixed scales it) and the strategy (DDP averages the gradients
+  /// over the ranks, bucketed and overlapped as in automatic mode, unless a `no_sync()` guard lives), with the
+  /// `on_before_backward` and `on_after_backward` hooks (Lightning's `manual_backward`).
+  void manual_backward(const torch::Tensor& loss) { manual("manual_backward").backward(loss); }
+  /// Clips the gradients of `opt`'s parameters by their total norm or by value, after unscaling them (Fp16Mixed);
+  /// call it between manual_backward and `opt.step()`.
+  void clip_gradients(const ManualOptimizer& opt, double value, ClipAlgorithm algorithm = ClipAlgorithm::norm) {
+    if (!(value > 0.0)) {
+      throw std::invalid_argument("volt: clip_gradients(value=" + std::to_string(value) + ") is not allowed: give a "
+                                  "value > 0.");
+    }
+    manual("clip_gradients").clip(opt.index_, value, algorithm);
+  }
+  /// Only `opt`'s parameters require gradients until `untoggle_optimizer(opt)` (Lightning's `toggle_optimizer`): the
+  /// parameters of the other optimizers are frozen, so a backward for this optimizer leaves theirs alone.
+  void toggle_optimizer(const ManualOptimizer& opt) { manual("toggle_optimizer").toggle(opt.index_); }
+  /// Gives every parameter back the requires_grad it had before `toggle_optimizer(opt)`.
+  void untoggle_optimizer(const ManualOptimizer& opt) { manual("untoggle_optimizer").untoggle(opt.index_); }
+
+  /// While it lives, manual_backward does not synchronise gradients across ranks: for an accumulation written by
+  /// hand, the last backward (after the guard) averages the sum (Lightning's `no_backward_sync`).
+  class NoSync {
+   public:
+    explicit NoSync(detail::ManualOptimization& m) : m_(&m), previous_(m.set_sync(false)) {}
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    ~NoSync() { m_->set_sync(previous_); }
+
+   private:
+    detail::ManualOptimization* m_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(manual("no_sync")); }
 
   /// Records a scalar under `name` (see LogOptions for where it goes and how it is reduced).
   void log(std::string_view name, const torch::Tensor& value, const LogOptions& options = {}) {
@@ -339,6 +292,16 @@ class Context {
   }
 
  private:
+  /// The fit's manual step, or an error that says how to get one.
+  detail::ManualOptimization& manual(const char* what) {
+    if (state_->manual == nullptr) {
+      throw std::logic_error(std::string("volt: ctx.") + what + " is for manual optimization, during a fit: declare "
+                             "`static constexpr bool automatic_optimization = false;` in the module to step its "
+                             "optimizers yourself, or return the loss from training_step and let volt step them.");
+    }
+    return *state_->manual;
+  }
+
   detail::LoopState* state_;
   detail::MetricStore* store_;
 };

@@ -6,8 +6,9 @@
 ///
 /// | member | required | meaning |
 /// |---|---|---|
-/// | `training_step(Batch&, Context&) -> torch::Tensor` | yes | the loss of one batch |
-/// | `configure_optimizers() -> OptimizerConfig` (or an optimizer by value, a shared/unique pointer to one, or an `OptimizerConfigOf<O>`) | yes | what steps the parameters |
+/// | `training_step(Batch&, Context&) -> torch::Tensor` | yes | the loss of one batch (manual optimization: anything or nothing) |
+/// | `configure_optimizers() -> OptimizerConfig` (or an optimizer by value, a shared/unique pointer to one, or an `OptimizerConfigOf<O>`; several in a tuple or vector under manual optimization) | yes | what steps the parameters |
+/// | `static constexpr bool automatic_optimization` | no | `false`: the module steps its optimizers itself (below) |
 /// | `validation_step(Batch&, Context&)` | for validation | logs metrics; its result is ignored |
 /// | `test_step(Batch&, Context&)` | for test | as validation_step |
 /// | `predict_step(Batch&, Context&) -> R` | for predict | `predict` returns a `std::vector<R>` |
@@ -28,6 +29,49 @@
 /// | `on_before_backward` | `const torch::Tensor& loss` |
 /// | `on_after_backward` | none |
 ///
+/// **Manual optimization** (Lightning's `automatic_optimization = False`): a module that declares
+/// `static constexpr bool automatic_optimization = false;` steps its own optimizers in `training_step`, which may then
+/// return nothing (what it returns is handed to `on_train_batch_end` and used for nothing else). Its
+/// `configure_optimizers` may return several optimizers: a `std::tuple` of anything one optimizer may be (each keeps
+/// its type: `std::tuple<volt::optim::Adam, volt::optim::Adam>`, `OptimizerConfigOf<O>`s with schedulers), or a
+/// `std::vector<OptimizerConfig>` when the count is known only at run time. Through its Context:
+///
+/// | call | what it does |
+/// |---|---|
+/// | `ctx.optimizers()`, `ctx.optimizer(i)` | the optimizers, in configure_optimizers' order (`volt::ManualOptimizer` handles) |
+/// | `ctx.lr_schedulers()` | their schedulers (null where none) |
+/// | `ctx.manual_backward(loss)` | backward through the precision (Fp16Mixed scales the loss) and the strategy (DDP averages the gradients) |
+/// | `opt.step()` | unscales (once), `on_before_optimizer_step`, steps unless an inf/NaN was found (Fp16Mixed), counts `global_step`, steps its scheduler when it has `Interval::step` |
+/// | `opt.zero_grad()` | its parameters' gradients set to none |
+/// | `ctx.clip_gradients(opt, value, ClipAlgorithm::norm)` | unscales (once), then clips its parameters' gradients |
+/// | `ctx.toggle_optimizer(opt)`, `ctx.untoggle_optimizer(opt)` | only its parameters require gradients, until untoggled |
+/// | `auto guard = ctx.no_sync();` | manual_backward does not synchronise across ranks while the guard lives |
+///
+/// `global_step` counts every optimizer's steps (two per batch for a GAN), as Lightning's does in manual mode.
+/// Schedulers with `Interval::step` step every `frequency` steps of their own optimizer, those with `Interval::epoch`
+/// after the epoch. Under Fp16Mixed one loss scale serves every optimizer (scaled at each backward, each optimizer
+/// unscaled once, the scale updated once after training_step), so each optimizer steps at most once per batch there.
+/// Checkpoints hold every optimizer and scheduler, each optimizer's step count and the module's gradients. Refused:
+/// several optimizers without manual optimization (compile time), manual optimization with `Graphed` (compile time),
+/// and with `accumulate_grad_batches > 1` or `gradient_clip_val` (a ConfigError when fit starts: the module does both
+/// itself). examples/gan.cpp is a whole example.
+/// \code
+///   struct Gan : torch::nn::Module {
+///     static constexpr bool automatic_optimization = false;
+///     std::tuple<volt::optim::Adam, volt::optim::Adam> configure_optimizers();  // generator's, discriminator's
+///     void training_step(const Batch& batch, volt::Context& ctx) {
+///       auto opts = ctx.optimizers();
+///       ctx.toggle_optimizer(opts[1]);
+///       auto d_loss = ...;
+///       opts[1].zero_grad();
+///       ctx.manual_backward(d_loss);
+///       opts[1].step();
+///       ctx.untoggle_optimizer(opts[1]);
+///       // ... the generator's step with opts[0]
+///     }
+///   };
+/// \endcode
+///
 /// Checkpoints (no Context): `on_save_checkpoint(volt::checkpoint::Dict& checkpoint)` adds the module's own
 /// entries to a checkpoint being written (on rank zero; keep clear of volt's keys, listed in checkpoint.hpp);
 /// `on_load_checkpoint(const volt::checkpoint::Dict& checkpoint)` reads them back when a fit resumes, after
@@ -42,8 +86,10 @@
 
 #include <concepts>
 #include <memory>
+#include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace volt {
 
@@ -155,11 +201,43 @@ OptimizerConfig to_optimizer_config(T&& r) {
   }
 }
 
+/// One optimizer, in any of the forms `configure_optimizers` may return for it.
 template <class R>
-concept OptimizerResult =
+concept SingleOptimizerResult =
     std::is_same_v<R, OptimizerConfig> || std::is_convertible_v<R, OptimizerConfig> ||
     (std::is_base_of_v<torch::optim::Optimizer, R> && std::is_move_constructible_v<R>) ||
     requires(R r) { std::shared_ptr<torch::optim::Optimizer>(std::move(r)); };
+
+template <class R>
+struct several_optimizers_result : std::false_type {};
+template <class... Rs>
+  requires(sizeof...(Rs) > 0 && (SingleOptimizerResult<Rs> && ...))
+struct several_optimizers_result<std::tuple<Rs...>> : std::true_type {};
+template <class A>
+struct several_optimizers_result<std::vector<OptimizerConfig, A>> : std::true_type {};
+
+/// Several optimizers (manual optimization only): a `std::tuple` of single results, each keeping its type, or a
+/// `std::vector<OptimizerConfig>` when the count is known only at run time.
+template <class R>
+concept SeveralOptimizersResult = several_optimizers_result<R>::value;
+
+template <class R>
+concept OptimizerResult = SingleOptimizerResult<R> || SeveralOptimizersResult<R>;
+
+/// What `configure_optimizers` returned, as one OptimizerConfig per optimizer, in order.
+template <class T>
+std::vector<OptimizerConfig> to_optimizer_configs(T&& r) {
+  using R = std::remove_cvref_t<T>;
+  if constexpr (std::is_same_v<R, std::vector<OptimizerConfig>>) {
+    return std::forward<T>(r);
+  } else if constexpr (SeveralOptimizersResult<R>) {  // a tuple
+    std::vector<OptimizerConfig> out;
+    std::apply([&](auto&... each) { (out.push_back(to_optimizer_config(std::move(each))), ...); }, r);
+    return out;
+  } else {
+    return {to_optimizer_config(std::forward<T>(r))};
+  }
+}
 
 }  // namespace detail
 
@@ -179,9 +257,29 @@ template <class M>
 using module_optimizer_t = typename detail::optimizer_type<
     std::remove_cvref_t<decltype(std::declval<module_impl_t<M>&>().configure_optimizers())>>::type;
 
+/// Whether the module steps its own optimizers (Lightning's manual optimization): it declares
+/// `static constexpr bool automatic_optimization = false;`. See "Manual optimization" above.
+template <class M>
+inline constexpr bool manual_optimization = [] {
+  if constexpr (requires { module_impl_t<M>::automatic_optimization; }) {
+    return !static_cast<bool>(module_impl_t<M>::automatic_optimization);
+  } else {
+    return false;
+  }
+}();
+
+/// Whether `M`'s configure_optimizers returns several optimizers (a tuple or a vector).
+template <class M>
+inline constexpr bool returns_several_optimizers = detail::SeveralOptimizersResult<
+    std::remove_cvref_t<decltype(std::declval<module_impl_t<M>&>().configure_optimizers())>>;
+
+/// The module has a training_step for batches of type `Batch`: returning the loss, or (manual optimization, where
+/// the step runs its own backward) anything, or nothing.
 template <class M, class Batch>
 concept TrainableOn = requires(module_impl_t<M>& m, Batch& b, Context& ctx) {
+  m.training_step(b, ctx);
+} && (manual_optimization<M> || requires(module_impl_t<M>& m, Batch& b, Context& ctx) {
   { m.training_step(b, ctx) } -> std::convertible_to<torch::Tensor>;
-};
+});
 
 }  // namespace volt

@@ -4,6 +4,8 @@
 /// `Trainer<...> trainer({.max_epochs = 5, .accumulate_grad_batches = 4});`, checked once when the Trainer
 /// is built (`validate_options`), before anything runs.
 
+#include "volt/errors.hpp"
+
 #include <algorithm>
 #include <csignal>
 #include <cmath>
@@ -16,12 +18,6 @@
 #include <string_view>
 
 namespace volt {
-
-/// Every run-time configuration error volt raises. The message says what was given and what is allowed.
-class ConfigError : public std::invalid_argument {
- public:
-  using std::invalid_argument::invalid_argument;
-};
 
 /// A batch limit or interval in Lightning's two spellings: an integer is a number of batches, a floating
 /// value is a fraction of the loader (0.25 = a quarter of it, 1.0 = all of it).

@@ -14,6 +14,11 @@
 /// | its graph type was compiled in | `A::graph_type::available` (the GPU's: VOLT_WITH_CUDA) | `Graphed<GPU>` against a LibTorch without CUDA |
 /// | graph mode runs in one process | `S::is_distributed`, `A::captures_step` | `Trainer<DDP<Script>, Bf16, Graphed<GPU>>` |
 ///
+/// What `fit` is given is checked when `fit` is instantiated (`detail::CheckedFit`): a module, its training_step for the
+/// loader's batches, one optimizer unless it declares manual optimization, a validation_step when there is a
+/// validation loader. Graph mode's rules that need the module's type are in loops/graphed_step.hpp
+/// (`detail::CheckedGraphRules`): manual optimization, an optimizer that can be captured, no hooks inside the step.
+///
 /// **The three phases of validation.** Every setting is checked as early as it can be known, and said once:
 ///  - **phase (a), compile time**: the Trainer's type. Each slot holds its kind and the rules above hold;
 ///    a `static_assert` says which and how to fix it (`detail::CheckedSlots` below, which the Trainer instantiates).
@@ -29,6 +34,8 @@
 #include "volt/accelerators/cpu.hpp"
 #include "volt/accelerators/graphed.hpp"
 #include "volt/comm/concept.hpp"
+#include "volt/context.hpp"
+#include "volt/module.hpp"
 #include "volt/precision/concept.hpp"
 #include "volt/precision/fp32.hpp"
 #include "volt/strategies/concept.hpp"
@@ -182,6 +189,53 @@ struct CheckedSlots {
   using strategy = typename bound_strategy_if<ok, S, A>::type;
   using precision = std::conditional_t<ok, P, Fp32>;
   using accelerator = std::conditional_t<ok, A, CPU>;
+};
+
+/// Several optimizers from a module without manual optimization (false where `M` is no Module: that is said first).
+template <class M>
+constexpr bool several_optimizers_automatic() {
+  if constexpr (Module<M>) {
+    return returns_several_optimizers<M> && !manual_optimization<M>;
+  } else {
+    return false;
+  }
+}
+
+/// Whether the module has a validation_step for batches of type `ValBatch` (`void`: fit has no validation loader).
+template <class M, class ValBatch>
+constexpr bool validates_on() {
+  if constexpr (std::is_void_v<ValBatch>) {
+    return true;
+  } else {
+    return requires(module_impl_t<M>& m, ValBatch& b, Context& c) { m.validation_step(b, c); };
+  }
+}
+
+/// Phase (a) for `fit`: the module against the loaders it is given, each rule said alone with its fix (`ok`: all
+/// hold). `Batch` is the training loader's batch type, `ValBatch` the validation loader's (`void`: none).
+template <class M, class Batch, class ValBatch>
+struct CheckedFit {
+  static_assert(Module<M>,
+                "volt: fit needs a torch::nn::Module (or its TORCH_MODULE holder) with configure_optimizers() "
+                "returning an optimizer, a shared_ptr/unique_ptr to one, or a volt::OptimizerConfig.");
+  static constexpr bool has_step = requires(module_impl_t<M>& m, Batch& b, Context& c) { m.training_step(b, c); };
+  static_assert(has_step,
+                "volt: the module has no training_step for this loader's batches. Add "
+                "`torch::Tensor training_step(const Batch& batch, volt::Context& ctx)` returning the loss.");
+  static_assert(!has_step || TrainableOn<M, Batch>,
+                "volt: return the loss (a torch::Tensor) from training_step, or declare `static constexpr bool "
+                "automatic_optimization = false;` and run backward and the optimizer steps yourself: automatic "
+                "optimization runs backward on what training_step returns, and this one returns no tensor.");
+  static_assert(!several_optimizers_automatic<M>(),
+                "volt: declare `static constexpr bool automatic_optimization = false;` in the module and step the "
+                "optimizers in training_step (ctx.optimizers(), ctx.manual_backward(loss), opt.step()), or return "
+                "one optimizer from configure_optimizers: automatic optimization steps one optimizer, and this "
+                "configure_optimizers returns several (a tuple or a vector).");
+  static_assert(validates_on<M, ValBatch>(),
+                "volt: fit was given a validation loader but the module has no validation_step for its batches. Add "
+                "`void validation_step(const Batch& batch, volt::Context& ctx)`, or call fit without the loader.");
+  static constexpr bool ok = Module<M> && TrainableOn<M, Batch> && !several_optimizers_automatic<M>() &&
+                             validates_on<M, ValBatch>();
 };
 
 }  // namespace detail

@@ -7,9 +7,10 @@
 /// This file holds the rules (phase (a), volt/rules.hpp), the constructor (phase (b)), the four runs, what
 /// callbacks and callers may read, and the members grouped by owner. The loops are out-of-class definitions,
 /// included at the end (ensmallen's `_impl` files): loops/run_impl.hpp (what every run shares),
-/// loops/fit_loop_impl.hpp, loops/training_batch_impl.hpp, loops/graphed_batch_impl.hpp (graph mode),
-/// loops/evaluation_loop_impl.hpp, and
-/// connectors/checkpoint_impl.hpp (saving and resuming; the format is connectors/checkpoint_connector.hpp).
+/// loops/fit_loop_impl.hpp (the fit and its training batches), loops/evaluation_loop_impl.hpp, and
+/// connectors/checkpoint_impl.hpp (saving and resuming; the format is connectors/checkpoint_connector.hpp). A
+/// training batch's optimization is one of three step objects the fit loop owns (friends of the Trainer):
+/// loops/automatic_step.hpp, loops/graphed_step.hpp (graph mode) and loops/manual_step.hpp (manual optimization).
 
 #include "volt/accelerators/cpu.hpp"
 #include "volt/accelerators/graphed.hpp"
@@ -22,14 +23,17 @@
 #include "volt/context.hpp"
 #include "volt/data/concept.hpp"
 #include "volt/detail/fit_transfer.hpp"
-#include "volt/detail/graph_step.hpp"
-#include "volt/detail/hooks.hpp"
 #include "volt/detail/torch_compat.hpp"
+#include "volt/errors.hpp"
+#include "volt/loops/automatic_step.hpp"
 #include "volt/loops/batches.hpp"
 #include "volt/loops/evaluation.hpp"
+#include "volt/loops/graphed_step.hpp"
+#include "volt/loops/hooks.hpp"
+#include "volt/loops/manual_step.hpp"
+#include "volt/loops/optimization.hpp"
 #include "volt/loops/progress.hpp"
 #include "volt/module.hpp"
-#include "volt/optim/fused.hpp"
 #include "volt/options.hpp"
 #include "volt/precision/fp32.hpp"
 #include "volt/rules.hpp"
@@ -53,17 +57,6 @@
 
 namespace volt {
 
-/// Passed where no loader is given (fit without validation).
-struct NoLoader {};
-
-namespace detail {
-/// A callback that receives metrics for writing (on_log_metrics).
-template <class C, class T>
-concept LoggerCallback = requires(C& cb, T& trainer, const std::map<std::string, double>& metrics) {
-  cb.on_log_metrics(trainer, metrics, int64_t{});
-};
-}  // namespace detail
-
 template <class S = SingleDevice, class P = Fp32, class A = CPU, class... Callbacks>
 class Trainer {
   // Phase (a): each slot holds its kind, then the rules between slots, each said alone (volt/rules.hpp).
@@ -75,25 +68,14 @@ class Trainer {
   using strategy_type = typename checked_::strategy;
   using precision_type = typename checked_::precision;
   using accelerator_type = typename checked_::accelerator;
+  using callback_tuple = std::tuple<Callbacks...>;
 
   /// Checks every run-time setting against what is allowed and what this machine has (phase (b)); sets up
   /// nothing else until a run starts (phase (c)).
   explicit Trainer(TrainerOptions options = {}, Callbacks... callbacks)
       : options_(std::move(options)), callbacks_(std::move(callbacks)...) {
     validate_options(options_);
-    using Acc = accelerator_type;
-    if (!Acc::is_available()) {
-      throw ConfigError(std::string("volt: ") + Acc::name + " requested (devices=" + std::to_string(options_.devices) +
-                        ") but it is not available here: " + Acc::name + "::device_count() is " +
-                        std::to_string(Acc::device_count()) +
-                        ". Check the driver and visible devices (CUDA_VISIBLE_DEVICES), or use the CPU accelerator.");
-    }
-    if (options_.devices > Acc::device_count()) {
-      throw ConfigError(std::string("volt: devices=") + std::to_string(options_.devices) + " but " + Acc::name +
-                        "::device_count() is " + std::to_string(Acc::device_count()) + " here. Ask for at most " +
-                        std::to_string(Acc::device_count()) + ".");
-    }
-    strategy_.check_devices(options_, Acc::device_count(), Acc::name);
+    check_machine();
     apply_fast_dev_run();
   }
   /// Callbacks whose types are not the Trainer's callback types: said at compile time, with the fix.
@@ -118,38 +100,31 @@ class Trainer {
   template <class M, class TrainLoader, class ValLoader = NoLoader>
     requires(!std::convertible_to<ValLoader, std::string>)
   FitResult fit(M& module, TrainLoader&& train_loader, ValLoader&& val_loader = {}, std::string ckpt_path = {}) {
-    static_assert(Module<M>,
-                  "volt: fit needs a torch::nn::Module (or its TORCH_MODULE holder) with configure_optimizers() "
-                  "returning an optimizer, a shared_ptr/unique_ptr to one, or a volt::OptimizerConfig.");
-    using Batch = detail::batch_t<TrainLoader>;
-    static_assert(TrainableOn<M, Batch>,
-                  "volt: the module has no training_step for this loader's batches. Add "
-                  "`torch::Tensor training_step(const Batch& batch, volt::Context& ctx)` returning the loss.");
-    if constexpr (detail::captures_step<accelerator_type> && Module<M>) check_graph_rules<module_impl_t<M>>();
     constexpr bool has_val = !std::is_same_v<std::remove_cvref_t<ValLoader>, NoLoader>;
-    if constexpr (has_val) {
-      static_assert(requires(module_impl_t<M>& m, detail::batch_t<ValLoader>& b, Context& c) {
-        m.validation_step(b, c);
-      }, "volt: fit was given a validation loader but the module has no validation_step for its batches. Add "
-         "`void validation_step(const Batch& batch, volt::Context& ctx)`, or call fit without the loader.");
-    }
-    auto body = [&]() -> FitResult {
-      auto& impl = detail::unwrap(module);
-      auto& train = detail::deref_loader(train_loader);
-      if constexpr (has_val) {
-        run_fit(impl, train, &detail::deref_loader(val_loader), ckpt_path);
-      } else {
-        run_fit(impl, train, static_cast<NoLoader*>(nullptr), ckpt_path);
+    using ValBatch = typename std::conditional_t<has_val, detail::batch_of<ValLoader>, std::type_identity<void>>::type;
+    if constexpr (!detail::CheckedFit<M, detail::batch_t<TrainLoader>, ValBatch>::ok) {
+      return {};  // the broken rule has been said, alone
+    } else {
+      if constexpr (detail::captures_step<accelerator_type>) (void)detail::CheckedGraphRules<Trainer, module_impl_t<M>>::ok;
+      if constexpr (manual_optimization<M>) check_manual_options();
+      auto body = [&]() -> FitResult {
+        auto& impl = detail::unwrap(module);
+        auto& train = detail::deref_loader(train_loader);
+        if constexpr (has_val) {
+          run_fit(impl, train, &detail::deref_loader(val_loader), ckpt_path);
+        } else {
+          run_fit(impl, train, static_cast<NoLoader*>(nullptr), ckpt_path);
+        }
+        return FitResult{callback_metric_values(), best_model_path()};
+      };
+      detail::FitTransfer<module_impl_t<M>> transfer{&detail::unwrap(module), &state_.current_epoch, &state_.global_step};
+      try {
+        return strategy_.launch(body, transfer);
+      } catch (const Interrupted& stop) {  // a stop signal: the checkpoint is written (SignalOptions)
+        if (!options_.signals.exit_process) throw;
+        std::fflush(nullptr);
+        std::exit(stop.exit_status());
       }
-      return FitResult{callback_metric_values(), best_model_path()};
-    };
-    detail::FitTransfer<module_impl_t<M>> transfer{&detail::unwrap(module), &state_.current_epoch, &state_.global_step};
-    try {
-      return strategy_.launch(body, transfer);
-    } catch (const Interrupted& stop) {  // a stop signal: the checkpoint is written (SignalOptions)
-      if (!options_.signals.exit_process) throw;
-      std::fflush(nullptr);
-      std::exit(stop.exit_status());
     }
   }
   /// Resumes a fit without validation from `ckpt_path` (a file, `"last"` or `"best"`).
@@ -248,9 +223,15 @@ class Trainer {
   /// it joins callback_metrics (and the progress bar), and loggers receive it now.
   void record_metric(const std::string& name, double value, bool prog_bar = false, bool logger = true);
 
-  /// The optimizer and scheduler of the running (or last) fit; null before.
-  torch::optim::Optimizer* optimizer() { return optim_.optimizer.get(); }
-  torch::optim::LRScheduler* lr_scheduler() { return optim_.scheduler.get(); }
+  /// The (first) optimizer and scheduler of the running (or last) fit; null before.
+  torch::optim::Optimizer* optimizer() { return optim_.empty() ? nullptr : optim_[0].config.optimizer.get(); }
+  torch::optim::LRScheduler* lr_scheduler() { return optim_.empty() ? nullptr : optim_[0].config.scheduler.get(); }
+  /// Every optimizer of the running (or last) fit, in configure_optimizers' order (several: manual optimization).
+  std::vector<torch::optim::Optimizer*> optimizers() {
+    std::vector<torch::optim::Optimizer*> out;
+    for (auto& o : optim_) out.push_back(o.config.optimizer.get());
+    return out;
+  }
 
   /// The strategy object (DDP's bucket settings, ranks).
   strategy_type& strategy() { return strategy_; }
@@ -268,7 +249,15 @@ class Trainer {
   std::string best_model_path() const;
 
  private:
+  template <class>
+  friend class detail::AutomaticStep;
+  template <class, class, class>
+  friend class detail::GraphedStep;
+  template <class, class>
+  friend class detail::ManualStep;
+
   // ---- shared by every run (loops/run_impl.hpp) ----
+  void check_machine();
   void apply_fast_dev_run();
   void setup_run(torch::nn::Module& module);
   void reset_state_keeping_progress();
@@ -286,13 +275,14 @@ class Trainer {
   void send_to_loggers(detail::MetricMap& metrics);
   void flush_loggers();
 
-  // ---- fit (loops/fit_loop_impl.hpp, loops/training_batch_impl.hpp) ----
+  // ---- fit (loops/fit_loop_impl.hpp) ----
   template <class Impl, class TL, class VL>
   void run_fit(Impl& module, TL& train, VL* val, const std::string& ckpt_path);
   template <class Impl, class TL, class VL>
   void fit_loop(Impl& module, Context& ctx, TL& train, VL* val, std::optional<detail::ResumePoint> resume);
   template <class TL, class VL>
   void resolve_fit_sizes(TL& train, VL* val);
+  void check_manual_options() const;
   bool can_stop_early() const;
   bool max_steps_reached() const;
   bool fit_done() const;
@@ -302,21 +292,9 @@ class Trainer {
   std::string signal_checkpoint_path() const;
   template <class Impl, class VL>
   void run_validation(Impl& module, VL* val);
-  template <class Impl, class B, class VL>
-  bool train_batch(Impl& module, Context& ctx, B& batch, int64_t batch_idx, bool is_last, VL* val);
-  template <class Impl, class B>
-  torch::Tensor eager_step(Impl& module, Context& ctx, B& batch, bool window_start, bool steps);
-  void count_optimizer_step();
-  void clip_gradients();
-
-  // ---- graph mode (loops/graphed_batch_impl.hpp) ----
-  template <class Impl, class B>
-  torch::Tensor graphed_step(Impl& module, Context& ctx, B& batch, bool window_start, bool steps, bool is_last);
-  enum class GraphRule { none, optimizer, module_hook, callback_hook };
-  template <class Impl>
-  static constexpr GraphRule broken_graph_rule();
-  template <class Impl>
-  static constexpr void check_graph_rules();
+  template <class Impl, class Step, class B, class VL>
+  bool train_batch(Impl& module, Context& ctx, Step& step, B& batch, int64_t batch_idx, bool is_last, VL* val);
+  void count_optimizer_step(detail::ScheduledOptimizer& optimizer);
 
   // ---- evaluation (loops/evaluation_loop_impl.hpp) ----
   template <class Kind, class Impl, class L, class Sink>
@@ -358,12 +336,10 @@ class Trainer {
   detail::LoggerConnector logger_;
 
   // The running (or last) fit.
-  /// The optimizer and scheduler configure_optimizers returned.
-  OptimizerConfig optim_;
+  /// The optimizers and schedulers configure_optimizers returned, with the steps each has taken.
+  std::vector<detail::ScheduledOptimizer> optim_;
   /// The module's parameters (clipping, accumulated gradients in checkpoints).
   std::vector<torch::Tensor> params_;
-  /// Graph mode's captured steps and their static batch (during a fit with a `Graphed` accelerator).
-  std::unique_ptr<detail::GraphedStepsBase> graphs_;
   /// max_epochs in effect (-1: until max_steps).
   int64_t max_epochs_ = 1000;
   /// Training batches per epoch (-1: until the loader ends).
@@ -404,7 +380,5 @@ Trainer<S, P, A, std::remove_cvref_t<Callbacks>...> make_trainer(TrainerOptions 
 // The Trainer's out-of-class definitions.
 #include "volt/loops/run_impl.hpp"
 #include "volt/loops/evaluation_loop_impl.hpp"
-#include "volt/loops/training_batch_impl.hpp"
-#include "volt/loops/graphed_batch_impl.hpp"
 #include "volt/loops/fit_loop_impl.hpp"
 #include "volt/connectors/checkpoint_impl.hpp"

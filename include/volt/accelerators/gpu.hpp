@@ -1,7 +1,7 @@
 #pragma once
 
 #include "volt/accelerators/concept.hpp"
-#include "volt/detail/cuda_graph.hpp"
+#include "volt/accelerators/cuda_graph.hpp"
 #include "volt/detail/torch_compat.hpp"
 
 #include <c10/core/Device.h>

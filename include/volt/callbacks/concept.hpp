@@ -48,7 +48,7 @@
 /// | `record_metric(name, value, prog_bar, logger)` | a value of the callback's own (a learning rate), to callback_metrics and loggers |
 /// | `request_stop()`, `should_stop()` | ask the fit to stop (honoured once min_epochs/min_steps are met) |
 /// | `save_checkpoint(path, weights_only)` | write a checkpoint now; every rank must call it |
-/// | `optimizer()`, `lr_scheduler()` | the running fit's (null before one) |
+/// | `optimizer()`, `lr_scheduler()`, `optimizers()` | the running fit's (the first; null before one), and all of them (several under manual optimization) |
 /// | `strategy()`, `precision()`, `callback<C>()`, `callbacks()` | the policies and the other callbacks |
 ///
 /// **Finding checkpoints: `"last"` and `"best"`.** `fit(..., ckpt_path = "last")` (or `"best"`) asks every
@@ -57,7 +57,7 @@
 /// is the file to resume from. No such callback is a `ConfigError`; an empty `"last"` is a fresh start (as
 /// Lightning), an empty `"best"` a `CheckpointError`. A callback with `best_model_path()` also gives `fit`'s
 /// result its `best_model_path` (the first non-empty one). ModelCheckpoint implements both; it finds the best
-/// path in a new process through `checkpoint::saved_callback_state` (connectors/checkpoint_connector.hpp).
+/// path in a new process through `checkpoint::saved_callback_state` (volt/checkpoint.hpp).
 /// Such a callback may also name where a stop signal's checkpoint goes,
 /// `std::string signal_checkpoint_path(const auto& trainer) const` (the first answer is used; none:
 /// `<default_root_dir>/checkpoints/interrupted.ckpt`), so that its `find_last_checkpoint` finds it.
@@ -79,6 +79,9 @@
 /// \endcode
 
 #include <concepts>
+#include <cstdint>
+#include <map>
+#include <string>
 #include <type_traits>
 
 namespace volt {
@@ -106,5 +109,13 @@ inline constexpr bool keeps_loss = [] {
     return true;
   }
 }();
+
+namespace detail {
+/// A callback that receives metrics for writing (on_log_metrics): a logger.
+template <class C, class T>
+concept LoggerCallback = requires(C& cb, T& trainer, const std::map<std::string, double>& metrics) {
+  cb.on_log_metrics(trainer, metrics, int64_t{});
+};
+}  // namespace detail
 
 }  // namespace volt

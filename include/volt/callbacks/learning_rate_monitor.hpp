@@ -5,6 +5,7 @@
 #include <c10/util/Type.h>
 #include <torch/optim/optimizer.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <typeinfo>
@@ -12,8 +13,8 @@
 namespace volt {
 
 /// Records the learning rate of each parameter group as `lr-<Optimizer>` (`lr-<Optimizer>/pg<i>` when
-/// there are several groups), as Lightning's LearningRateMonitor: at every optimizer step, or at the start
-/// of every epoch.
+/// there are several groups; `lr-<Optimizer>-1` for a second optimizer of one type), as Lightning's
+/// LearningRateMonitor: at every optimizer step, or at the start of every epoch.
 class LearningRateMonitor {
  public:
   enum class Interval { step, epoch };
@@ -34,22 +35,26 @@ class LearningRateMonitor {
     if (options_.logging_interval == Interval::step) record(trainer);
   }
 
-  /// The rate last recorded for group 0 (unset before the first record).
+  /// The rate last recorded for the first optimizer's group 0 (unset before the first record).
   std::optional<double> last_lr() const { return last_lr_; }
 
  private:
   template <class T>
   void record(T& trainer) {
-    torch::optim::Optimizer* opt = trainer.optimizer();
-    if (opt == nullptr) return;
-    std::string name = c10::demangle(typeid(*opt).name());
-    if (const auto colon = name.rfind("::"); colon != std::string::npos) name = name.substr(colon + 2);
-    const auto& groups = opt->param_groups();
-    for (std::size_t i = 0; i < groups.size(); ++i) {
-      const double lr = groups[i].options().get_lr();
-      if (i == 0) last_lr_ = lr;
-      trainer.record_metric(groups.size() == 1 ? "lr-" + name : "lr-" + name + "/pg" + std::to_string(i), lr,
-                            options_.prog_bar);
+    std::map<std::string, int> seen;  // a second optimizer of one type is `lr-<Optimizer>-1`, as Lightning names it
+    bool first = true;
+    for (torch::optim::Optimizer* opt : trainer.optimizers()) {
+      std::string name = c10::demangle(typeid(*opt).name());
+      if (const auto colon = name.rfind("::"); colon != std::string::npos) name = name.substr(colon + 2);
+      if (const int n = seen[name]++; n > 0) name += "-" + std::to_string(n);
+      const auto& groups = opt->param_groups();
+      for (std::size_t i = 0; i < groups.size(); ++i) {
+        const double lr = groups[i].options().get_lr();
+        if (first && i == 0) last_lr_ = lr;
+        trainer.record_metric(groups.size() == 1 ? "lr-" + name : "lr-" + name + "/pg" + std::to_string(i), lr,
+                              options_.prog_bar);
+      }
+      first = false;
     }
   }
 

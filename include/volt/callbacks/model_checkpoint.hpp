@@ -2,7 +2,6 @@
 
 #include "volt/callbacks/concept.hpp"
 #include "volt/checkpoint.hpp"
-#include "volt/connectors/checkpoint_connector.hpp"
 #include "volt/context.hpp"
 
 #include <cmath>

@@ -9,6 +9,7 @@
 /// pending ends the process at once: the handler puts the default action back and raises the signal again
 /// (after killing the worker processes a Spawn main process forwards to).
 
+#include "volt/errors.hpp"
 #include "volt/options.hpp"
 
 #include <signal.h>
@@ -30,24 +31,6 @@
 extern char** environ;
 
 namespace volt {
-
-/// A fit ended on a signal after writing its checkpoint (thrown by `fit` when `SignalOptions::exit_process`
-/// is false; otherwise the process exits with `exit_status()`).
-class Interrupted : public std::runtime_error {
- public:
-  Interrupted(int signal, std::string checkpoint, const std::string& message)
-      : std::runtime_error(message), signal_(signal), checkpoint_(std::move(checkpoint)) {}
-  /// The signal that stopped the fit.
-  int signal() const { return signal_; }
-  /// The checkpoint written at the stop ("" when none could be written: a Spawn main process that was not told).
-  const std::string& checkpoint() const { return checkpoint_; }
-  /// 128 + the signal number: what a shell reports for a process that signal ended.
-  int exit_status() const { return 128 + signal_; }
-
- private:
-  int signal_;
-  std::string checkpoint_;
-};
 
 namespace cluster {
 

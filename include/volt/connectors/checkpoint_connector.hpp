@@ -10,7 +10,7 @@
 /// loads it (what can still refuse first, with backups), and its fit loop starts from the `ResumePoint` inside.
 
 #include "volt/checkpoint.hpp"
-#include "volt/context.hpp"
+#include "volt/connectors/metric_store.hpp"
 #include "volt/data/concept.hpp"
 #include "volt/loops/progress.hpp"
 
@@ -20,6 +20,7 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -32,20 +33,6 @@
 #include <vector>
 
 namespace volt::checkpoint {
-
-/// The entries of a full checkpoint (volt/checkpoint.hpp lists what each holds).
-namespace keys {
-inline constexpr const char* state_dict = "state_dict";
-inline constexpr const char* optimizer_states = "optimizer_states";
-inline constexpr const char* lr_schedulers = "lr_schedulers";
-inline constexpr const char* precision = "precision";
-inline constexpr const char* loops = "loops";
-inline constexpr const char* loaders = "loaders";
-inline constexpr const char* metrics = "metrics";
-inline constexpr const char* rng = "rng";
-inline constexpr const char* callbacks = "callbacks";
-inline constexpr const char* accumulated_grads = "accumulated_grads";
-}  // namespace keys
 
 // ---- the training loader's position ------------------------------------------------------------------------
 
@@ -145,9 +132,10 @@ struct SchedulerAccess : torch::optim::LRScheduler {
 };
 }  // namespace detail
 
-inline c10::impl::GenericList schedulers_to_state(torch::optim::LRScheduler* scheduler) {
+/// `lr_schedulers`: one entry per scheduler, in the order of the optimizers that have one.
+inline c10::impl::GenericList schedulers_to_state(const std::vector<torch::optim::LRScheduler*>& schedulers) {
   c10::impl::GenericList out(c10::AnyType::get());
-  if (scheduler != nullptr) {
+  for (torch::optim::LRScheduler* scheduler : schedulers) {
     Dict d = make_dict();
     d.insert(kSchedulerStepCount, static_cast<int64_t>(detail::SchedulerAccess::step_count(*scheduler)));
     out.push_back(d);
@@ -295,22 +283,13 @@ void load_callbacks_state(std::tuple<Cs...>& callbacks, const Dict& states, cons
       callbacks);
 }
 
-/// The state a checkpoint file holds for the callback with key `key`, if any (ModelCheckpoint finds its
-/// best checkpoint in its newest file this way).
-inline std::optional<Dict> saved_callback_state(const std::string& path, const std::string& key) {
-  const Dict d = read(path);
-  if (!d.contains(keys::callbacks)) return std::nullopt;
-  const auto states = d.at(keys::callbacks).toGenericDict();
-  if (!states.contains(key)) return std::nullopt;
-  return states.at(key).toGenericDict();
-}
-
 // ---- a whole fit --------------------------------------------------------------------------------------------
 
 /// What a full checkpoint holds besides the weights and the accumulated gradients: `write_fit_state` writes it.
 struct FitState {
-  const torch::optim::Optimizer* optimizer = nullptr;
-  torch::optim::LRScheduler* scheduler = nullptr;
+  /// Every optimizer, in configure_optimizers' order, and the schedulers of those that have one, in that order.
+  std::vector<const torch::optim::Optimizer*> optimizers;
+  std::vector<torch::optim::LRScheduler*> schedulers;
   std::map<std::string, double> precision;
   Dict loops = make_dict();
   std::optional<data::LoaderState> train_loader;
@@ -322,9 +301,9 @@ struct FitState {
 
 inline void write_fit_state(Dict& d, const FitState& s) {
   c10::List<at::Tensor> optimizers;
-  if (s.optimizer != nullptr) optimizers.push_back(optimizer_state(*s.optimizer));
+  for (const torch::optim::Optimizer* o : s.optimizers) optimizers.push_back(optimizer_state(*o));
   d.insert(keys::optimizer_states, optimizers);
-  d.insert(keys::lr_schedulers, schedulers_to_state(s.scheduler));
+  d.insert(keys::lr_schedulers, schedulers_to_state(s.schedulers));
   d.insert(keys::precision, from_map(s.precision));
   d.insert(keys::loops, s.loops);
   if (s.train_loader) {
@@ -347,8 +326,9 @@ struct ResumeState {
   volt::detail::ResumePoint point;
   /// The training loader's saved position, when the file and the loader both have one (checked to fit).
   std::optional<data::LoaderState> train_loader;
-  at::Tensor optimizer;
-  std::optional<int64_t> scheduler_step_count;
+  /// Each optimizer's archive, and each scheduler's step count (in the order of the optimizers that have one).
+  std::vector<at::Tensor> optimizers;
+  std::vector<int64_t> scheduler_step_counts;
   std::map<std::string, double> precision;
   std::vector<volt::detail::MetricEntry> metrics;
   Dict callbacks = make_dict();
@@ -356,23 +336,52 @@ struct ResumeState {
   std::vector<std::optional<at::Tensor>> grads;
 };
 
-/// Reads `path` and checks everything in it against this fit: the module's names and shapes, one optimizer,
-/// the scheduler count, the training loader's position (for a loader that keeps one), the gradients'
-/// count. Throws `CheckpointError` naming the file and the fault; changes nothing.
+/// What a resuming fit has: its parameter count, and per optimizer whether it has a scheduler.
+struct FitShape {
+  std::size_t num_params = 0;
+  std::vector<bool> has_scheduler;
+};
+
+/// Reads `path` and checks everything in it against this fit: the module's names and shapes, the optimizer and
+/// scheduler counts, the training loader's position (for a loader that keeps one), the gradients' count. Throws
+/// `CheckpointError` naming the file and the fault; changes nothing.
 template <class TrainLoader>
 ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn::Module& module,
-                            const TrainLoader& train_loader, std::size_t num_params, bool has_scheduler, int rank);
+                            const TrainLoader& train_loader, const FitShape& fit, int rank);
 
 template <class TrainLoader>
 ResumeState read_for_resume(const std::string& path, const torch::nn::Module& module, const TrainLoader& train_loader,
-                            std::size_t num_params, bool has_scheduler, int rank) {
-  return resume_state_of(read(path), path, module, train_loader, num_params, has_scheduler, rank);
+                            const FitShape& fit, int rank) {
+  return resume_state_of(read(path), path, module, train_loader, fit, rank);
+}
+
+/// The optimizers' and schedulers' entries of `d`, checked against the fit's counts.
+inline void read_optimizers(const Dict& d, const std::string& path, const FitShape& fit, ResumeState& r) {
+  const auto optimizers = entry(d, keys::optimizer_states, path).toListRef();
+  const std::size_t n = fit.has_scheduler.size();
+  if (optimizers.size() != n) {
+    throw CheckpointError("volt: " + path + " holds " + std::to_string(optimizers.size()) + " optimizer states; this "
+                          "fit has " + std::to_string(n) + " optimizer" + (n == 1 ? "" : "s") + ". Resume with the "
+                          "configure_optimizers that wrote it.");
+  }
+  for (const auto& o : optimizers) r.optimizers.push_back(o.toTensor());
+  const auto schedulers = entry(d, keys::lr_schedulers, path).toListRef();
+  const auto wanted = static_cast<std::size_t>(std::count(fit.has_scheduler.begin(), fit.has_scheduler.end(), true));
+  if (schedulers.size() != wanted) {
+    throw CheckpointError("volt: " + path + " holds " + std::to_string(schedulers.size()) +
+                          " learning-rate scheduler states; this fit has " +
+                          (wanted == 0 ? std::string("none") : std::to_string(wanted)) +
+                          ". Resume with the configure_optimizers that wrote it.");
+  }
+  for (const auto& sch : schedulers) {
+    r.scheduler_step_counts.push_back(entry(sch.toGenericDict(), kSchedulerStepCount, path).toInt());
+  }
 }
 
 /// The checks of `read_for_resume` on a checkpoint already read and checked as a file (`read`, `decode`).
 template <class TrainLoader>
 ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn::Module& module,
-                            const TrainLoader& train_loader, std::size_t num_params, bool has_scheduler, int rank) {
+                            const TrainLoader& train_loader, const FitShape& fit, int rank) {
   ResumeState r;
   r.path = path;
   r.file = std::move(file);
@@ -397,28 +406,20 @@ ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn:
         }
       }
     }
-    const auto optimizers = entry(d, keys::optimizer_states, path).toListRef();
-    if (optimizers.size() != 1) {
-      throw CheckpointError("volt: " + path + " holds " + std::to_string(optimizers.size()) +
-                            " optimizer states; this fit has 1 optimizer.");
+    read_optimizers(d, path, fit, r);
+    if (!r.point.optimizer_steps.empty() && r.point.optimizer_steps.size() != fit.has_scheduler.size()) {
+      throw CheckpointError("volt: " + path + " counts the steps of " + std::to_string(r.point.optimizer_steps.size()) +
+                            " optimizers but holds " + std::to_string(r.optimizers.size()) + " optimizer states.");
     }
-    r.optimizer = optimizers[0].toTensor();
-    const auto schedulers = entry(d, keys::lr_schedulers, path).toListRef();
-    if (schedulers.size() != (has_scheduler ? 1u : 0u)) {
-      throw CheckpointError("volt: " + path + " holds " + std::to_string(schedulers.size()) +
-                            " learning-rate scheduler states; this fit has " + (has_scheduler ? "1" : "none") +
-                            ". Resume with the configure_optimizers that wrote it.");
-    }
-    if (has_scheduler) r.scheduler_step_count = entry(schedulers[0].toGenericDict(), kSchedulerStepCount, path).toInt();
     r.metrics = metrics_from_state(entry(d, keys::metrics, path), path);
     r.point.rng = rng_from_state(entry(d, keys::rng, path).toGenericDict(), path, rank);
     r.point.loader_positioned = r.train_loader.has_value();
     r.precision = to_map(entry(d, keys::precision, path).toGenericDict(), path);
     r.callbacks = entry(d, keys::callbacks, path).toGenericDict();
     const auto grads = entry(d, keys::accumulated_grads, path).toListRef();
-    if (!grads.empty() && grads.size() != num_params) {
+    if (!grads.empty() && grads.size() != fit.num_params) {
       throw CheckpointError("volt: " + path + " holds accumulated gradients of " + std::to_string(grads.size()) +
-                            " parameters; the module has " + std::to_string(num_params) + ".");
+                            " parameters; the module has " + std::to_string(fit.num_params) + ".");
     }
     for (const auto& g : grads) r.grads.push_back(grad_from_state(g, rank));
   } catch (const CheckpointError&) {

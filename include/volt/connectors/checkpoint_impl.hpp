@@ -33,7 +33,8 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
   c10::impl::GenericList grads(c10::AnyType::get());
   if (!weights_only) {
     for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
-    if (progress_.in_train_batch && progress_.mid_window) {  // gradients accumulated so far in this window
+    // Gradients accumulated so far in this window, or (manual optimization) the module's gradients.
+    if (progress_.keeps_grads || (progress_.in_train_batch && progress_.mid_window)) {
       for (const auto& p : params_) {
         const at::Tensor defined = gather_ranks(torch::tensor({p.grad().defined() ? 1 : 0}, torch::kUInt8)).flatten();
         grads.push_back(checkpoint::grad_to_state(defined, [&] {
@@ -47,12 +48,16 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
     d.insert(checkpoint::keys::state_dict, checkpoint::module_state(*module_));
     if (!weights_only) {
       checkpoint::FitState fit;
-      fit.optimizer = optim_.optimizer.get();
-      fit.scheduler = optim_.scheduler.get();
+      std::vector<int64_t> optimizer_steps;
+      for (const auto& o : optim_) {
+        fit.optimizers.push_back(o.config.optimizer.get());
+        if (o.config.scheduler) fit.schedulers.push_back(o.config.scheduler.get());
+        optimizer_steps.push_back(o.steps);
+      }
       fit.precision = precision_.state_dict();
       fit.loops = progress_.state_dict(state_.current_epoch, state_.global_step,
                                        should_check_val(progress_.train_batch_idx, progress_.train_is_last),
-                                       strategy_.world_size());
+                                       strategy_.world_size(), optimizer_steps);
       if (train_loader_state_) {
         fit.train_loader = train_loader_state_();
       } else if (!fitting_ && final_loader_state_) {
@@ -113,27 +118,35 @@ std::string Trainer<S, P, A, Cs...>::resolve_ckpt_path(const std::string& path) 
 template <class S, class P, class A, class... Cs>
 template <class Impl, class TL>
 detail::ResumePoint Trainer<S, P, A, Cs...>::restore(Impl& module, TL& train_loader, const std::string& path) {
-  checkpoint::ResumeState r = checkpoint::read_for_resume(path, module, train_loader, params_.size(),
-                                                          optim_.scheduler != nullptr, strategy_.global_rank());
+  checkpoint::FitShape shape{params_.size(), {}};
+  for (const auto& o : optim_) shape.has_scheduler.push_back(o.config.scheduler != nullptr);
+  checkpoint::ResumeState r = checkpoint::read_for_resume(path, module, train_loader, shape, strategy_.global_rank());
 
-  // What can still refuse the state (the optimizer, the precision, callbacks, the module) goes first, with backups.
-  const at::Tensor optimizer_backup = checkpoint::optimizer_state(*optim_.optimizer);
+  // What can still refuse the state (the optimizers, the precision, callbacks, the module) goes first, with backups.
   const auto precision_backup = precision_.state_dict();
   std::vector<std::function<void()>> undo;
-  checkpoint::load_optimizer_state(*optim_.optimizer, r.optimizer, path);
   try {
+    for (std::size_t i = 0; i < optim_.size(); ++i) {
+      torch::optim::Optimizer& o = optim_[i].optimizer();
+      const at::Tensor backup = checkpoint::optimizer_state(o);
+      checkpoint::load_optimizer_state(o, r.optimizers[i], path);  // refuses a state that does not fit, unchanged
+      undo.push_back([&o, backup, path] { checkpoint::load_optimizer_state(o, backup, path); });
+    }
     if (!r.precision.empty()) precision_.load_state_dict(r.precision);
     checkpoint::load_callbacks_state(callbacks_, r.callbacks, path, undo);
     if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) module.on_load_checkpoint(r.file);
   } catch (const std::exception& e) {
     for (auto& u : undo) u();
     precision_.load_state_dict(precision_backup);
-    checkpoint::load_optimizer_state(*optim_.optimizer, optimizer_backup, path);
+    if (undo.size() < optim_.size()) throw;  // an optimizer's state: its message says which file and why
     throw CheckpointError("volt: " + path + " could not be loaded (" + std::string(e.what()) + "); nothing was changed.");
   }
 
   // The rest cannot fail any more.
-  if (optim_.scheduler) checkpoint::load_scheduler_step_count(*optim_.scheduler, *r.scheduler_step_count);
+  for (std::size_t i = 0, k = 0; i < optim_.size(); ++i) {
+    if (optim_[i].config.scheduler) checkpoint::load_scheduler_step_count(*optim_[i].config.scheduler, r.scheduler_step_counts[k++]);
+    optim_[i].steps = r.point.optimizer_steps.empty() ? r.point.global_step : r.point.optimizer_steps[i];
+  }
   checkpoint::load_module_state(module, r.weights);
   {
     torch::NoGradGuard no_grad;

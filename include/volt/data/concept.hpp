@@ -65,6 +65,11 @@ concept PositionedLoader = requires(L& l, const L& cl, const LoaderState& s) {
 
 }  // namespace volt::data
 
+namespace volt {
+/// Passed where no loader is given (fit without validation).
+struct NoLoader {};
+}  // namespace volt
+
 namespace volt::detail {
 
 /// The loader itself, or what a pointer-like loader points to.
@@ -83,6 +88,11 @@ decltype(auto) deref_loader(L& loader) {
 /// The batch type a loader (or what it points to) yields.
 template <class L>
 using batch_t = std::remove_cvref_t<decltype(*deref_loader(std::declval<L&>()).begin())>;
+/// `batch_t<L>` as a type trait (`::type`), to name it only where it is needed.
+template <class L>
+struct batch_of {
+  using type = batch_t<L>;
+};
 
 /// Its number of batches, or -1 when it cannot tell.
 template <class L>

@@ -111,9 +111,8 @@ class Spawn {
     std::exit(0);  // finalises MPI at exit; code after fit belongs to the main process
   }
 
-  template <class T>
-  auto run_main(const LaunchSpec& spec, T& transfer) {
-    static bool used = false;
+  /// Spawn can start workers here: the first fit of this process, not inside an outside job, on one machine.
+  static void check_spawn_allowed(const LaunchSpec& spec, bool used) {
     if (used) {
       throw std::logic_error(
           "volt: fit was called a second time with DDP<Spawn> in this process. The workers start the program from "
@@ -130,6 +129,12 @@ class Spawn {
       throw ConfigError("volt: num_nodes=" + std::to_string(spec.num_nodes) +
                         " with Spawn, which starts workers on this machine only. Use Script under mpirun or srun.");
     }
+  }
+
+  template <class T>
+  auto run_main(const LaunchSpec& spec, T& transfer) {
+    static bool used = false;
+    check_spawn_allowed(spec, used);
     used = true;
     detail::allow_oversubscription();
     auto& runtime = detail::MpiRuntime::instance();

@@ -5,7 +5,7 @@
 /// hooks, its values thrown away), test and predict with the set chosen here at compile time.
 
 #include "volt/context.hpp"
-#include "volt/detail/hooks.hpp"
+#include "volt/loops/hooks.hpp"
 
 namespace volt::detail {
 

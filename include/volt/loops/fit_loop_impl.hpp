@@ -2,7 +2,9 @@
 /// \file
 /// Part of volt/trainer.hpp, included at its end: the fit, as Lightning's `_FitLoop` and
 /// `_TrainingEpochLoop` — set-up, the optional resume, the sanity check, epochs of training batches with
-/// validation where `val_check_interval` and `check_val_every_n_epoch` put it, and the stop decision.
+/// validation where `val_check_interval` and `check_val_every_n_epoch` put it, and the stop decision. Each training
+/// batch's optimization is run by the step object the fit loop owns (`detail::training_step_t`: automatic, graphed
+/// or manual).
 /// Not a header of its own: include volt/trainer.hpp.
 
 #include <cstdlib>
@@ -14,6 +16,18 @@
 #include <string>
 
 namespace volt {
+namespace detail {
+
+/// The training step a fit of module `Impl` on batches `B` runs with Trainer `T`: manual optimization when the module
+/// asks for it, graph mode on a graphed accelerator (when its rules hold; otherwise `fit` has said why), else the
+/// automatic eager step.
+template <class T, class Impl, class B>
+using training_step_t = std::conditional_t<
+    manual_optimization<Impl>, ManualStep<T, Impl>,
+    std::conditional_t<captures_step<typename T::accelerator_type> && graph_rule_v<T, Impl> == GraphRule::none,
+                       GraphedStep<T, Impl, B>, AutomaticStep<T>>>;
+
+}  // namespace detail
 
 /// The body of `fit` in each process that trains: set-up, hooks around the loops, teardown (also on failure).
 template <class S, class P, class A, class... Cs>
@@ -45,7 +59,6 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     Trainer* t;
     ~FitScope() {
       t->fitting_ = false;
-      t->graphs_.reset();  // graph mode's graphs and their memory pool
       if (t->train_loader_state_) t->final_loader_state_ = t->train_loader_state_();
       t->train_loader_state_ = nullptr;
       t->progress_.in_train_batch = t->progress_.in_epoch_end = false;
@@ -58,15 +71,9 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     const std::string resume_from = ckpt_path.empty() ? std::string() : resolve_ckpt_path(ckpt_path);
     ckpt_path_ = resume_from;
     hook<detail::hooks::setup>(module, ctx, Stage::train);
-    optim_ = detail::to_optimizer_config(module.configure_optimizers());
-    if (!optim_.optimizer) {
-      throw std::invalid_argument("volt: configure_optimizers returned no optimizer (a null pointer).");
-    }
-    if (optim_.frequency < 1) {
-      throw ConfigError("volt: OptimizerConfig frequency=" + std::to_string(optim_.frequency) +
-                        " is not allowed: give a number >= 1.");
-    }
+    optim_ = detail::scheduled_optimizers(module.configure_optimizers());
     params_ = module.parameters();
+    progress_.keeps_grads = manual_optimization<Impl>;
 
     auto go = [&](auto* processed_val) {
       resolve_fit_sizes(train_loader, processed_val);
@@ -102,6 +109,7 @@ template <class S, class P, class A, class... Cs>
 template <class Impl, class TL, class VL>
 void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL* val,
                                        std::optional<detail::ResumePoint> resume) {
+  detail::training_step_t<Trainer, Impl, detail::batch_t<TL>> step(*this, module, ctx);
   hook<detail::hooks::on_fit_start>(module, ctx);
 
   if constexpr (!std::is_same_v<VL, NoLoader>) {
@@ -151,7 +159,7 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
         train, num_training_batches_,
         [&](auto&& batch, int64_t batch_idx, bool is_last) {
           progress_.batches_this_epoch = batch_idx + 1;
-          return train_batch(module, ctx, batch, batch_idx, is_last, val);
+          return train_batch(module, ctx, step, batch, batch_idx, is_last, val);
         },
         start, skip);
 
@@ -172,6 +180,68 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
 
   hook<detail::hooks::on_train_end>(module, ctx);
   hook<detail::hooks::on_fit_end>(module, ctx);
+}
+
+/// One training batch: step, maybe optimizer step, hooks, metrics, maybe validation.
+/// Returns false when the epoch should end here.
+template <class S, class P, class A, class... Cs>
+template <class Impl, class Step, class B, class VL>
+bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, Step& step, B& batch, int64_t batch_idx,
+                                          bool is_last, VL* val) {
+  struct InBatch {  // what a checkpoint taken during this batch records
+    detail::FitProgress& p;
+    InBatch(detail::FitProgress& progress, int64_t idx, bool last) : p(progress) {
+      p.in_train_batch = true;
+      p.train_batch_idx = idx;
+      p.train_is_last = last;
+      p.val_started = false;
+    }
+    ~InBatch() { p.in_train_batch = false; }
+  } in_batch(progress_, batch_idx, is_last);
+  enter_batch(batch, batch_idx);
+  using detail::hooks::on_train_batch_start;
+  if constexpr (!std::is_void_v<decltype(hook<on_train_batch_start>(module, ctx, batch, batch_idx))>) {
+    const auto response = hook<on_train_batch_start>(module, ctx, batch, batch_idx);
+    if (static_cast<int64_t>(response) == -1) {  // the module ends the epoch here
+      leave_batch();
+      return false;
+    }
+  } else {
+    hook<on_train_batch_start>(module, ctx, batch, batch_idx);
+  }
+
+  const auto window = detail::Window::of(batch_idx, is_last, options_.accumulate_grad_batches);
+  progress_.mid_window = !window.steps;
+  const int64_t steps_before = state_.global_step;
+  torch::Tensor detached = step.run(module, ctx, batch, window);
+  const bool steps = manual_optimization<Impl> ? state_.global_step != steps_before : window.steps;
+  hook<detail::hooks::on_train_batch_end>(module, ctx, detached, batch, batch_idx);
+  leave_batch();
+
+  logger_.publish_step(train_store_, collectives_, has_loggers());
+  if constexpr (has_loggers()) {
+    if (steps && (state_.global_step % options_.log_every_n_steps == 0 || progress_.should_stop)) {
+      send_to_loggers(logger_.pending());
+    } else {
+      logger_.pending().clear();
+    }
+  }
+
+  if (should_check_val(batch_idx, is_last)) {
+    progress_.val_started = true;
+    run_validation(module, val);
+  }
+  stop_on_signal();  // still inside the batch: a checkpoint here resumes after it
+  ++progress_.total_batch_idx;
+  if (max_steps_reached()) return false;
+  return !(progress_.should_stop && can_stop_early());
+}
+
+/// An optimizer step was taken: the step counter, and the optimizer's scheduler when it steps per optimizer step.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::count_optimizer_step(detail::ScheduledOptimizer& optimizer) {
+  ++state_.global_step;
+  optimizer.stepped();
 }
 
 /// Training batches per epoch, the validation interval in batches, and validation batches per run.
@@ -218,6 +288,24 @@ void Trainer<S, P, A, Cs...>::resolve_fit_sizes(TL& train, VL* val) {
   }
 }
 
+/// Phase (c) for a module with manual optimization: the options that only automatic optimization reads are left
+/// unset, as Lightning requires (the module does in training_step what they would do).
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::check_manual_options() const {
+  if (options_.accumulate_grad_batches != 1) {
+    throw ConfigError("volt: accumulate_grad_batches=" + std::to_string(options_.accumulate_grad_batches) +
+                      " is for automatic optimization, and this module steps its own optimizers "
+                      "(automatic_optimization = false): leave it at 1 and accumulate in training_step (step the "
+                      "optimizer every k batches; under DDP, hold ctx.no_sync() around the other backwards).");
+  }
+  if (options_.gradient_clip_val) {
+    throw ConfigError("volt: gradient_clip_val=" + std::to_string(*options_.gradient_clip_val) +
+                      " is for automatic optimization, and this module steps its own optimizers "
+                      "(automatic_optimization = false): leave it unset and call ctx.clip_gradients(opt, value, "
+                      "algorithm) in training_step, between ctx.manual_backward and opt.step().");
+  }
+}
+
 /// Whether min_epochs and min_steps are met, so a stop request may end the fit.
 template <class S, class P, class A, class... Cs>
 bool Trainer<S, P, A, Cs...>::can_stop_early() const {
@@ -251,12 +339,10 @@ bool Trainer<S, P, A, Cs...>::should_check_val(int64_t batch_idx, bool is_last) 
   return (iteration + 1) % val_check_batch_ == 0;
 }
 
-/// After an epoch's end hooks: the epoch-interval scheduler step, the next epoch, the stop decision.
+/// After an epoch's end hooks: the epoch-interval schedulers' steps, the next epoch, the stop decision.
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::close_epoch() {
-  if (optim_.scheduler && optim_.interval == Interval::epoch && (state_.current_epoch + 1) % optim_.frequency == 0) {
-    optim_.scheduler->step();
-  }
+  for (auto& o : optim_) o.epoch_ended(state_.current_epoch);
   ++state_.current_epoch;
   progress_.should_stop = strategy_.reduce_boolean_decision(progress_.should_stop, /*all=*/false);
 }

@@ -24,6 +24,7 @@ inline constexpr const char* epoch_finished = "epoch_finished";
 inline constexpr const char* val_pending = "val_pending";
 inline constexpr const char* should_stop = "should_stop";
 inline constexpr const char* world_size = "world_size";
+inline constexpr const char* optimizer_steps = "optimizer_steps";
 }  // namespace loop_keys
 
 /// Where a checkpoint's fit stood: what `FitProgress::state_dict` wrote, read back and checked.
@@ -42,6 +43,8 @@ struct ResumePoint {
   bool should_stop = false;
   /// Ranks of the run that saved it.
   int world_size = 1;
+  /// Each optimizer's steps (empty in files that predate the entry: one optimizer, whose steps are global_step).
+  std::vector<int64_t> optimizer_steps;
   /// Filled by the checkpoint connector: this rank's generator states at the save, and whether the training
   /// loader took up its saved position (otherwise `batch_in_epoch` batches are skipped).
   std::vector<at::Tensor> rng;
@@ -59,6 +62,11 @@ struct ResumePoint {
     r.val_pending = b(loop_keys::val_pending);
     r.should_stop = b(loop_keys::should_stop);
     r.world_size = static_cast<int>(i(loop_keys::world_size));
+    if (loops.contains(loop_keys::optimizer_steps)) {
+      for (const auto& n : checkpoint::entry(loops, loop_keys::optimizer_steps, path).toListRef()) {
+        r.optimizer_steps.push_back(n.toInt());
+      }
+    }
     return r;
   }
 };
@@ -80,6 +88,8 @@ struct FitProgress {
   bool in_epoch_end = false;
   /// The running batch does not end its gradient-accumulation window (its gradients are mid-sum).
   bool mid_window = false;
+  /// Gradients belong to the module between batches (manual optimization), so every checkpoint keeps them.
+  bool keeps_grads = false;
   /// The running batch's validation has started.
   bool val_started = false;
   /// A callback or the module asked the fit to stop (honoured once min_epochs and min_steps are met).
@@ -89,7 +99,8 @@ struct FitProgress {
 
   /// The `loops` entry of a checkpoint taken now. `val_due`: the running batch is one after which validation
   /// runs. A save during a batch resumes after it; a save from an epoch's end hooks resumes by closing it.
-  checkpoint::Dict state_dict(int64_t epoch, int64_t global_step, bool val_due, int world_size) const {
+  checkpoint::Dict state_dict(int64_t epoch, int64_t global_step, bool val_due, int world_size,
+                              const std::vector<int64_t>& optimizer_steps) const {
     int64_t batch_in_epoch = 0, total = total_batch_idx;
     bool finished = false, val_pending = false;
     if (in_epoch_end) {
@@ -109,6 +120,7 @@ struct FitProgress {
     d.insert(loop_keys::val_pending, val_pending);
     d.insert(loop_keys::should_stop, should_stop);
     d.insert(loop_keys::world_size, static_cast<int64_t>(world_size));
+    d.insert(loop_keys::optimizer_steps, c10::List<int64_t>(optimizer_steps));
     return d;
   }
 

@@ -27,6 +27,24 @@ int64_t batch_size_of(const void* batch) {
 
 }  // namespace detail
 
+/// Phase (b) on this machine: the accelerator is there with enough devices, and the strategy can use them.
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::check_machine() {
+  using Acc = accelerator_type;
+  if (!Acc::is_available()) {
+    throw ConfigError(std::string("volt: ") + Acc::name + " requested (devices=" + std::to_string(options_.devices) +
+                      ") but it is not available here: " + Acc::name + "::device_count() is " +
+                      std::to_string(Acc::device_count()) +
+                      ". Check the driver and visible devices (CUDA_VISIBLE_DEVICES), or use the CPU accelerator.");
+  }
+  if (options_.devices > Acc::device_count()) {
+    throw ConfigError(std::string("volt: devices=") + std::to_string(options_.devices) + " but " + Acc::name +
+                      "::device_count() is " + std::to_string(Acc::device_count()) + " here. Ask for at most " +
+                      std::to_string(Acc::device_count()) + ".");
+  }
+  strategy_.check_devices(options_, Acc::device_count(), Acc::name);
+}
+
 /// fast_dev_run's overrides, as Lightning's; then max_epochs in effect.
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::apply_fast_dev_run() {
@@ -129,7 +147,7 @@ auto Trainer<S, P, A, Cs...>::run_eval_step(B& batch, F&& step) {
   });
 }
 
-/// Hook `H` on every callback in pack order, then on the module (detail/hooks.hpp).
+/// Hook `H` on every callback in pack order, then on the module (loops/hooks.hpp).
 template <class S, class P, class A, class... Cs>
 template <class H, class Impl, class... Args>
 decltype(auto) Trainer<S, P, A, Cs...>::hook(Impl& module, Context& ctx, Args&&... args) {

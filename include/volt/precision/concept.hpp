@@ -16,6 +16,8 @@
 /// | `unscale_gradients(torch::optim::Optimizer&)` | before hooks and clipping see the gradients |
 /// | `optimizer_step(torch::optim::Optimizer&) -> bool` | steps; false when the step was skipped (inf/NaN) |
 /// | `optimizer_step_on_device(O&)` (for `Graphed`) | the same with nothing read on the host: `O::step_on_device(found_inf)` |
+/// | `static constexpr bool scales_loss` | backward scales the loss, and `update()` adjusts the scale (manual optimization then steps each optimizer at most once per training_step) |
+/// | `update()` | once per training iteration, after its optimizers stepped (Fp16Mixed: the loss scale's update) |
 /// | `state_dict() -> std::map<std::string, double>` / `load_state_dict(map)` | checkpointed state |
 ///
 /// Writing your own: derive from `PrecisionDefaults` for the no-op members and set the flags.
@@ -41,11 +43,13 @@ concept Precision = std::default_initializable<P> &&
       { P::needs_bf16_autocast } -> std::convertible_to<bool>;
       { P::converts_inputs } -> std::convertible_to<bool>;
       { P::input_dtype } -> std::convertible_to<torch::Dtype>;
+      { P::scales_loss } -> std::convertible_to<bool>;
       p.forward_context(c10::DeviceType::CPU);
       p.convert_module(m);
       p.backward(loss);
       p.unscale_gradients(opt);
       { p.optimizer_step(opt) } -> std::same_as<bool>;
+      p.update();
       { cp.state_dict() } -> std::same_as<std::map<std::string, double>>;
       p.load_state_dict(state);
     };
@@ -57,6 +61,7 @@ struct PrecisionDefaults {
   static constexpr bool needs_bf16_autocast = false;
   static constexpr bool converts_inputs = false;
   static constexpr torch::Dtype input_dtype = torch::kFloat32;
+  static constexpr bool scales_loss = false;
 
   NoGuard forward_context(c10::DeviceType) { return {}; }
   void convert_module(torch::nn::Module&) {}
@@ -71,6 +76,7 @@ struct PrecisionDefaults {
   void optimizer_step_on_device(O& optimizer) {
     optimizer.step_on_device(torch::Tensor());
   }
+  void update() {}
   std::map<std::string, double> state_dict() const { return {}; }
   void load_state_dict(const std::map<std::string, double>&) {}
 };

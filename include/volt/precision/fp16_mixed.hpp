@@ -9,11 +9,14 @@ namespace volt {
 /// Mixed float16: float32 parameters and optimizer, each step's forward under autocast to float16, and
 /// dynamic loss scaling so small gradients survive float16's range: the loss is scaled before backward,
 /// gradients are unscaled before clipping and hooks see them, a step whose gradients hold inf/NaN is skipped
-/// and the scale backs off. Needs an accelerator with float16 autocast (GPU).
+/// and the scale backs off. One scaler serves every optimizer of a fit (manual optimization with several): each
+/// backward is scaled, each optimizer unscaled once, and the scale updated once per iteration, as PyTorch's
+/// GradScaler. Needs an accelerator with float16 autocast (GPU).
 class Fp16Mixed : public PrecisionDefaults {
  public:
   static constexpr const char* name = "Fp16Mixed";
   static constexpr bool needs_fp16_autocast = true;
+  static constexpr bool scales_loss = true;
 
   Fp16Mixed() = default;
   explicit Fp16Mixed(GradScalerOptions options) : scaler_(options) {}
@@ -21,17 +24,14 @@ class Fp16Mixed : public PrecisionDefaults {
   detail::AutocastGuard forward_context(c10::DeviceType device) { return detail::AutocastGuard(device, at::kHalf); }
   void backward(const torch::Tensor& loss) { scaler_.scale(loss).backward(); }
   void unscale_gradients(torch::optim::Optimizer& optimizer) { scaler_.unscale_(optimizer); }
-  bool optimizer_step(torch::optim::Optimizer& optimizer) {
-    const bool stepped = scaler_.step(optimizer);
-    scaler_.update();
-    return stepped;
-  }
-  /// Graph mode's step: the fused step skips on the device when an inf/NaN was found, and the scale is updated there.
+  bool optimizer_step(torch::optim::Optimizer& optimizer) { return scaler_.step(optimizer); }
+  /// Graph mode's step: the fused step skips on the device when an inf/NaN was found.
   template <class O>
   void optimizer_step_on_device(O& optimizer) {
     scaler_.step_on_device(optimizer);
-    scaler_.update();
   }
+  /// Once the iteration's optimizers have stepped: the loss scale's update (on the device under graph mode).
+  void update() { scaler_.update(); }
   std::map<std::string, double> state_dict() const { return scaler_.state_dict(); }
   void load_state_dict(const std::map<std::string, double>& state) { scaler_.load_state_dict(state); }
 

@@ -54,18 +54,18 @@ class GradScaler {
   }
 
   /// Divides the optimizer's gradients by the scale in place and records whether any is inf/NaN.
-  /// Call at most once per step, before clipping or reading gradients.
+  /// Call at most once per optimizer between two `update()`s, before clipping or reading its gradients.
   void unscale_(torch::optim::Optimizer& optimizer) {
-    if (stage_ == Stage::unscaled) {
-      throw std::logic_error("volt: GradScaler::unscale_ was called twice since the last update().");
+    PerOptimizer& st = state_of(optimizer);
+    if (st.stage == Stage::unscaled) {
+      throw std::logic_error("volt: GradScaler::unscale_ was called twice for one optimizer since the last update().");
     }
-    if (stage_ == Stage::stepped) {
-      throw std::logic_error("volt: GradScaler::unscale_ was called after step(); call update() first.");
+    if (st.stage == Stage::stepped) {
+      throw std::logic_error("volt: GradScaler::unscale_ was called after step() for this optimizer; call update() "
+                             "first.");
     }
-    if (!scale_.defined()) {  // nothing was ever scaled: no gradients of ours to unscale
-      stage_ = Stage::unscaled;
-      return;
-    }
+    st.stage = Stage::unscaled;
+    if (!scale_.defined()) return;  // nothing was ever scaled: no gradients of ours to unscale
     // Group gradients by device: each device checks its own and the results are summed.
     std::vector<std::pair<c10::Device, std::vector<torch::Tensor>>> by_device;
     for (auto& group : optimizer.param_groups()) {
@@ -78,7 +78,7 @@ class GradScaler {
       }
     }
     const torch::Tensor inv_scale = scale_.to(torch::kFloat64).reciprocal().to(torch::kFloat32);
-    found_inf_ = torch::zeros({1}, scale_.options());
+    st.found_inf = torch::zeros({1}, scale_.options());
     for (auto& [device, grads] : by_device) {
       torch::Tensor found = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
       const torch::Tensor inv = inv_scale.to(device);
@@ -87,22 +87,16 @@ class GradScaler {
       } else {
         unscale_composite(grads, found, inv);
       }
-      found_inf_ = found_inf_ + found.to(scale_.device());
+      st.found_inf = st.found_inf + found.to(scale_.device());
     }
-    stage_ = Stage::unscaled;
   }
 
-  /// Unscales if that was not done yet, then runs `optimizer.step()` unless an inf/NaN was found.
+  /// Unscales if that was not done yet, then runs `optimizer.step()` unless an inf/NaN was found in its gradients.
   /// Returns whether the optimizer stepped.
   bool step(torch::optim::Optimizer& optimizer) {
-    if (stage_ == Stage::stepped) {
-      throw std::logic_error("volt: GradScaler::step was called twice since the last update().");
-    }
-    if (stage_ == Stage::ready) unscale_(optimizer);
-    stage_ = Stage::stepped;
-    const bool skip = found_inf_.defined() && found_inf_.item<float>() != 0.0f;
+    PerOptimizer& st = begin_step(optimizer, "step");
+    const bool skip = st.found_inf.defined() && st.found_inf.item<float>() != 0.0f;
     if (!skip) optimizer.step();
-    last_found_inf_ = found_inf_;
     return !skip;
   }
 
@@ -111,37 +105,40 @@ class GradScaler {
   /// (volt::optim's optimizers have it).
   template <class O>
   void step_on_device(O& optimizer) {
-    if (stage_ == Stage::stepped) {
-      throw std::logic_error("volt: GradScaler::step_on_device was called twice since the last update().");
-    }
-    if (stage_ == Stage::ready) unscale_(optimizer);
-    stage_ = Stage::stepped;
-    optimizer.step_on_device(found_inf_);
-    last_found_inf_ = found_inf_;
+    PerOptimizer& st = begin_step(optimizer, "step_on_device");
+    optimizer.step_on_device(st.found_inf);
   }
 
-  /// Adjusts the scale after a step: back off on inf/NaN, grow after `growth_interval` clean steps.
+  /// Adjusts the scale once the optimizers have stepped: back off when any optimizer unscaled since the last update
+  /// found an inf/NaN, grow after `growth_interval` clean updates in a row (PyTorch's GradScaler with several
+  /// optimizers: scale each backward, unscale each optimizer once, update once per iteration).
   void update() {
-    if (stage_ == Stage::ready || !scale_.defined()) {
-      stage_ = Stage::ready;
+    if (optimizers_.empty() || !scale_.defined()) {
+      optimizers_.clear();
       return;
     }
-    if (!found_inf_.defined()) found_inf_ = torch::zeros({1}, scale_.options());
+    torch::Tensor found_inf;
+    for (const auto& [optimizer, st] : optimizers_) {
+      if (!st.found_inf.defined()) continue;
+      found_inf = found_inf.defined() ? found_inf + st.found_inf : st.found_inf;
+    }
+    if (!found_inf.defined()) found_inf = torch::zeros({1}, scale_.options());
+    last_found_inf_ = found_inf;
     if (scale_.is_cuda()) {
-      at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, options_.growth_factor, options_.backoff_factor,
+      at::_amp_update_scale_(scale_, growth_tracker_, found_inf, options_.growth_factor, options_.backoff_factor,
                              options_.growth_interval);
     } else {
-      update_composite();
+      update_composite(found_inf);
     }
-    found_inf_ = torch::Tensor();
-    stage_ = Stage::ready;
+    optimizers_.clear();
   }
 
   /// The current scale (reads the device value; a sync on GPU).
   double get_scale() const { return scale_.defined() ? scale_.item<float>() : options_.init_scale; }
   /// Clean steps since the last change of scale.
   int64_t growth_tracker() const { return growth_tracker_.defined() ? growth_tracker_.item<int32_t>() : 0; }
-  /// Whether the last step was skipped for an inf/NaN (reads the device flag; a sync on GPU).
+  /// Whether the last update found an inf/NaN, so the steps before it were skipped (reads the device flag; a sync on
+  /// GPU).
   bool last_step_skipped() const { return last_found_inf_.defined() && last_found_inf_.item<float>() != 0.0f; }
   const GradScalerOptions& options() const { return options_; }
 
@@ -173,6 +170,29 @@ class GradScaler {
 
  private:
   enum class Stage { ready, unscaled, stepped };
+  /// One optimizer's progress since the last update, and what its unscale found.
+  struct PerOptimizer {
+    Stage stage = Stage::ready;
+    torch::Tensor found_inf;  // float32 [1], set by unscale_
+  };
+
+  PerOptimizer& state_of(const torch::optim::Optimizer& optimizer) {
+    for (auto& [o, st] : optimizers_) {
+      if (o == &optimizer) return st;
+    }
+    return optimizers_.emplace_back(&optimizer, PerOptimizer{}).second;
+  }
+  /// The checks and the unscale before `optimizer` steps.
+  PerOptimizer& begin_step(torch::optim::Optimizer& optimizer, const char* what) {
+    if (state_of(optimizer).stage == Stage::stepped) {
+      throw std::logic_error(std::string("volt: GradScaler::") + what + " was called twice for one optimizer since the "
+                             "last update().");
+    }
+    if (state_of(optimizer).stage == Stage::ready) unscale_(optimizer);
+    PerOptimizer& st = state_of(optimizer);
+    st.stage = Stage::stepped;
+    return st;
+  }
 
   void ensure_state(const c10::Device& device) {
     if (!scale_.defined()) {
@@ -195,12 +215,12 @@ class GradScaler {
   }
 
   // The arithmetic of ATen's _amp_update_scale_ kernels, on host values.
-  void update_composite() {
+  void update_composite(const torch::Tensor& found_inf) {
     const float scale = scale_.item<float>();
     const int32_t tracker = growth_tracker_.item<int32_t>();
     float new_scale = scale;
     int32_t new_tracker = 0;
-    if (found_inf_.item<float>() != 0.0f) {
+    if (found_inf.item<float>() != 0.0f) {
       new_scale = static_cast<float>(scale * options_.backoff_factor);
     } else {
       const int32_t successful = tracker + 1;
@@ -218,9 +238,9 @@ class GradScaler {
   GradScalerOptions options_;
   torch::Tensor scale_;           // float32 [1]
   torch::Tensor growth_tracker_;  // int32 [1]
-  torch::Tensor found_inf_;       // float32 [1], set by unscale_
-  torch::Tensor last_found_inf_;  // the last step's found_inf_ (kept: a replayed step rewrites it on the device)
-  Stage stage_ = Stage::ready;
+  /// The optimizers unscaled or stepped since the last update, in the order they came.
+  std::vector<std::pair<const torch::optim::Optimizer*, PerOptimizer>> optimizers_;
+  torch::Tensor last_found_inf_;  // what the last update read (kept: a replayed step rewrites it on the device)
   bool init_device_ = false;
 };
 

@@ -16,7 +16,7 @@
 ///   volt::Trainer<volt::DDP<volt::Script, volt::Mpi>, volt::Fp32, volt::CPU> cpu({.devices = 2});
 /// \endcode
 
-#include "volt/detail/reducer.hpp"
+#include "volt/strategies/reducer.hpp"
 #include "volt/launchers/script.hpp"
 #include "volt/launchers/spawn.hpp"
 #include "volt/strategies/concept.hpp"

@@ -1,11 +1,9 @@
 #pragma once
 /// \file
-/// What graph mode (`Graphed<...>`, volt/accelerators/graphed.hpp) keeps across a fit: the captured variants of
-/// the training step, the static batch they read and the layout every batch must keep, and the log calls they make;
-/// and the gradient clipping that reads nothing on the host.
+/// A batch's layout for graph mode (`Graphed<...>`, loops/graphed_step.hpp): its tensors in the order `map_tensors`
+/// visits them, and what it holds besides its tensors' values, as text, which every replayed batch must keep.
 
 #include "volt/batch.hpp"
-#include "volt/context.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/types.h>
@@ -25,21 +23,6 @@
 #include <vector>
 
 namespace volt::detail {
-
-/// Clips gradients to a total 2-norm of `max_norm` with LibTorch's arithmetic (`clip_grad_norm_`: per-tensor norms,
-/// the norm of their stack, the coefficient `max_norm / (norm + 1e-6)` clamped to 1), without reading the norm back.
-inline void clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
-  std::vector<at::Tensor> grads, norms;
-  for (const auto& p : params) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  if (grads.empty()) return;
-  norms.reserve(grads.size());
-  for (const auto& g : grads) norms.push_back(g.data().norm(2.0));
-  const at::Tensor total = norms.size() == 1 ? norms[0] : at::stack(norms).norm(2.0);
-  const at::Tensor coef = at::clamp(max_norm / (total + 1e-6), c10::nullopt, 1.0);
-  for (auto& g : grads) g.data().mul_(coef);
-}
 
 /// The tensors inside a batch, in the order `map_tensors` visits them.
 template <class B>
@@ -190,80 +173,5 @@ inline std::string shapes_text(const std::vector<at::Tensor>& tensors) {
   for (std::size_t i = 0; i < tensors.size(); ++i) s << (i ? ", " : "") << tensors[i].sizes();
   return s.str();
 }
-
-/// The graph state of a fit, whatever its batch type (the Trainer holds it through this base).
-struct GraphedStepsBase {
-  virtual ~GraphedStepsBase() = default;
-};
-
-/// Graph mode's state for graph type `G` and batch type `B`. A step is one of four variants, by whether it starts
-/// an accumulation window (zeroes the gradients) and whether it ends one (steps the optimizer): index
-/// `2 * starts + steps`. Each is captured the first time it is needed, all from one memory pool.
-template <class G, class B>
-struct GraphedSteps final : GraphedStepsBase {
-  /// Runs the warm-up steps; its stream is the one captures use.
-  G warm;
-  std::array<G, 4> graphs;
-  std::array<bool, 4> captured{};
-  /// What `ctx.log` recorded in each variant's `training_step`.
-  std::array<LogRecorder, 4> logs;
-  /// Each variant's loss (its output, rewritten by every replay).
-  std::array<at::Tensor, 4> loss;
-  /// The batch the graphs read, on the device; its tensors in the order the loader's batches visit theirs; and the
-  /// layout every replayed batch must have (`batch_layout`).
-  std::optional<B> inputs;
-  std::vector<at::Tensor> input_tensors;
-  std::string layout;
-  /// Eager batches run before the first capture.
-  int64_t warm_batches = 0;
-
-  static constexpr int variant(bool starts, bool steps) { return (starts ? 2 : 0) + (steps ? 1 : 0); }
-
-  /// The graph a new capture shares memory with: one captured before, or the warm-up's (same stream, new pool).
-  const G* shared() const {
-    for (std::size_t v = 0; v < graphs.size(); ++v) {
-      if (captured[v]) return &graphs[v];
-    }
-    return &warm;
-  }
-
-  /// Why `batch` cannot be copied into the static batch (empty when it can, and before there is one): another
-  /// layout (`batch_layout`), or tensors of other shapes.
-  std::string mismatch(const B& batch) const {
-    if (!inputs) return {};
-    const std::string given_layout = batch_layout(batch);
-    if (given_layout != layout) {
-      return "is laid out as " + given_layout + " but the step was captured for " + layout + " (t: a tensor; what is "
-             "not a tensor is replayed as captured, and tensors are copied in by their place)";
-    }
-    const std::vector<at::Tensor> given = tensors_of(batch);
-    for (std::size_t i = 0; i < given.size(); ++i) {
-      if (given[i].sizes() != input_tensors[i].sizes()) {
-        return "has tensors of shapes [" + shapes_text(given) + "] but the step was captured for [" +
-               shapes_text(input_tensors) + "]";
-      }
-    }
-    return {};
-  }
-
-  /// Copies `batch` into the static batch. The first time, makes the static batch from it, each tensor through
-  /// `prepare` (to the device and dtype a step sees) and cloned, and keeps the static tensors in the order `batch`'s
-  /// are visited, the order later batches' tensors are copied in (the static batch's own order may differ: a rebuilt
-  /// unordered map iterates in another order).
-  template <class Prepare>
-  void copy_in(const B& batch, Prepare&& prepare) {
-    if (!inputs) {
-      layout = batch_layout(batch);
-      inputs.emplace(map_tensors(batch, [&](const at::Tensor& t) {
-        at::Tensor copy = prepare(t).clone();
-        input_tensors.push_back(copy);
-        return copy;
-      }));
-      return;
-    }
-    const std::vector<at::Tensor> given = tensors_of(batch);
-    for (std::size_t i = 0; i < given.size(); ++i) input_tensors[i].copy_(given[i], /*non_blocking=*/true);
-  }
-};
 
 }  // namespace volt::detail

@@ -10,6 +10,12 @@
 /// locally; on the last one, each bucket takes the accumulated gradient plus the new one. A parameter that
 /// received no gradient this backward contributes its `.grad` (or zeros), so ranks that skip a parameter
 /// still agree on every bucket.
+///
+/// Which parameters take part is read at each synchronised backward: those that require gradients then (the same on
+/// every rank, since every rank runs the same code). A frozen parameter, or one of another optimizer under manual
+/// optimization's `toggle_optimizer`, keeps its `.grad` untouched, and a bucket with no such parameter is not
+/// reduced at all. A parameter that starts to require gradients after the reducer was built is adopted: it gets its
+/// hook and the buckets are laid out again (the same way on every rank).
 
 #include "volt/context.hpp"
 
@@ -32,16 +38,9 @@ class Reducer {
  public:
   Reducer(std::vector<torch::Tensor> params, Backend& backend, int world_size, std::size_t first_bucket_bytes = kFirstBucketBytes,
           std::size_t bucket_bytes = kBucketBytes)
-      : params_(std::move(params)), backend_(&backend), world_size_(world_size) {
-    build_buckets(first_bucket_bytes, bucket_bytes);
-    hooks_.reserve(params_.size());
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!params_[i].requires_grad()) {
-        hooks_.push_back(-1);
-        continue;
-      }
-      hooks_.push_back(static_cast<int>(params_[i].register_hook([this, i](const torch::Tensor& grad) { on_grad(i, grad); })));
-    }
+      : params_(std::move(params)), backend_(&backend), world_size_(world_size), first_cap_(first_bucket_bytes),
+        cap_(bucket_bytes), hooks_(params_.size(), -1) {
+    adopt();
   }
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
@@ -61,12 +60,18 @@ class Reducer {
 
   /// Before backward: `sync` arms the hooks (the micro-batch that steps); otherwise gradients only accumulate.
   void prepare(bool sync) {
+    adopt();
     armed_ = sync;
     if (!armed_) return;
     next_launch_ = 0;
     for (auto& b : buckets_) {
-      b.pending = b.members.size();
-      b.ready = false;
+      b.pending = 0;
+      for (std::size_t k = 0; k < b.members.size(); ++k) {
+        b.taking_part[k] = params_[b.members[k]].requires_grad() ? 1 : 0;
+        b.pending += b.taking_part[k];
+      }
+      b.active = b.pending > 0;
+      b.ready = !b.active;
       std::fill(b.arrived.begin(), b.arrived.end(), 0);
     }
   }
@@ -78,7 +83,7 @@ class Reducer {
     for (auto& b : buckets_) {
       if (b.ready) continue;
       for (std::size_t k = 0; k < b.members.size(); ++k) {
-        if (b.arrived[k]) continue;
+        if (b.arrived[k] || !b.taking_part[k]) continue;
         const torch::Tensor& g = params_[b.members[k]].grad();
         torch::Tensor slot = b.flat.narrow(0, b.offsets[k], params_[b.members[k]].numel());
         if (g.defined()) {
@@ -92,8 +97,10 @@ class Reducer {
     }
     launch_ready();
     for (auto& b : buckets_) {
+      if (!b.active) continue;
       b.work.wait();
       for (std::size_t k = 0; k < b.members.size(); ++k) {
+        if (!b.taking_part[k]) continue;
         torch::Tensor& p = params_[b.members[k]];
         const torch::Tensor slot = b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
         torch::Tensor& g = p.mutable_grad();
@@ -111,20 +118,36 @@ class Reducer {
     std::vector<std::size_t> members;
     std::vector<int64_t> offsets;
     std::vector<char> arrived;
+    /// Which members require gradients in this backward, and whether any does (else the bucket is not reduced).
+    std::vector<char> taking_part;
+    bool active = true;
     torch::Tensor flat;
     std::size_t pending = 0;
     bool ready = false;
     typename Backend::Work work;
   };
 
+  /// Hooks the parameters that require gradients and have none yet; lays the buckets out again when there were any.
+  void adopt() {
+    bool adopted = false;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (hooks_[i] >= 0 || !params_[i].requires_grad()) continue;
+      hooks_[i] = static_cast<int>(params_[i].register_hook([this, i](const torch::Tensor& grad) { on_grad(i, grad); }));
+      adopted = true;
+    }
+    if (adopted) build_buckets(first_cap_, cap_);
+  }
+
   void build_buckets(std::size_t first_cap, std::size_t cap) {
+    buckets_.clear();
+    offset_ = 0;
     bucket_of_.assign(params_.size(), 0);
     slot_of_.assign(params_.size(), 0);
     Bucket* open = nullptr;
     std::size_t open_bytes = 0;
     for (std::size_t j = params_.size(); j-- > 0;) {
       const torch::Tensor& p = params_[j];
-      if (!p.requires_grad()) continue;
+      if (hooks_[j] < 0) continue;
       if (p.is_sparse()) throw std::invalid_argument("volt: DDP does not average sparse gradients.");
       const std::size_t bytes = static_cast<std::size_t>(p.numel()) * p.element_size();
       const std::size_t limit = buckets_.size() == 1 ? first_cap : cap;  // the open bucket is the first one
@@ -143,6 +166,7 @@ class Reducer {
       open->members.push_back(j);
       open->offsets.push_back(offset_);
       open->arrived.push_back(0);
+      open->taking_part.push_back(1);
       offset_ += p.numel();
       open_bytes += bytes;
     }
@@ -174,13 +198,14 @@ class Reducer {
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
       Bucket& b = buckets_[next_launch_++];
-      b.work = backend_->iall_reduce_(b.flat, Reduce::sum);
+      if (b.active) b.work = backend_->iall_reduce_(b.flat, Reduce::sum);
     }
   }
 
   std::vector<torch::Tensor> params_;
   Backend* backend_;
   int world_size_;
+  std::size_t first_cap_, cap_;
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_, slot_of_;
   std::vector<int> hooks_;

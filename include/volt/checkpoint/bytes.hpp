@@ -1,8 +1,10 @@
 #pragma once
 /// \file
-/// The byte-level pieces under volt/checkpoint.hpp: the error type, the checksum over a checkpoint's contents, and
+/// The byte-level pieces under volt/checkpoint.hpp: the checksum over a checkpoint's contents, and
 /// reading a file's bytes without trusting them (a zip reader that stays inside the bytes, pickle lengths checked
 /// against what is left). Include volt/checkpoint.hpp.
+
+#include "volt/errors.hpp"
 
 #include <ATen/core/ivalue.h>
 #include <caffe2/serialize/inline_container.h>
@@ -27,12 +29,6 @@
 #include <vector>
 
 namespace volt {
-
-/// A checkpoint could not be written or read; the message names the file.
-class CheckpointError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 namespace checkpoint {
 namespace detail {
@@ -149,6 +145,84 @@ class BoundedReader final : public caffe2::serialize::ReadAdapterInterface {
   const std::vector<char>& bytes_;
 };
 
+/// What follows a pickle opcode, for `check_pickle_lengths`: nothing, a fixed number of bytes, a length of 1, 4 or 8
+/// bytes and that many bytes, one or two lines; `stop` ends the pickle, `unknown` an opcode this does not know.
+enum class PickleArg { stop, none, fixed1, fixed2, fixed4, fixed8, length1, length4, length8, line, two_lines, unknown };
+
+inline PickleArg pickle_arg(unsigned char op) {
+  switch (op) {
+    case '.': return PickleArg::stop;
+    case 'K':
+    case 'h':
+    case 'q':
+    case 0x80:
+    case 0x82: return PickleArg::fixed1;  // one-byte arguments
+    case 'M':
+    case 0x83: return PickleArg::fixed2;
+    case 'J':
+    case 'j':
+    case 'r':
+    case 0x84: return PickleArg::fixed4;
+    case 'G':
+    case 0x95: return PickleArg::fixed8;  // BINFLOAT, FRAME
+    case 'U':
+    case 'C':
+    case 0x8a:
+    case 0x8c: return PickleArg::length1;  // short strings, bytes, LONG1
+    case 'T':
+    case 'X':
+    case 'B':
+    case 0x8b: return PickleArg::length4;  // strings, bytes, LONG4
+    case 0x8d:
+    case 0x8e:
+    case 0x96: return PickleArg::length8;  // 8-byte lengths
+    case 'F':
+    case 'I':
+    case 'L':
+    case 'P':
+    case 'S':
+    case 'V':
+    case 'g':
+    case 'p': return PickleArg::line;
+    case 'c':
+    case 'i': return PickleArg::two_lines;  // GLOBAL, INST: module and name
+    case '(':
+    case '0':
+    case '1':
+    case '2':
+    case 'N':
+    case 'Q':
+    case 'R':
+    case 'a':
+    case 'b':
+    case 'd':
+    case '}':
+    case 'e':
+    case 'l':
+    case ']':
+    case 'o':
+    case 's':
+    case 't':
+    case ')':
+    case 'u':
+    case 0x81:
+    case 0x85:
+    case 0x86:
+    case 0x87:
+    case 0x88:
+    case 0x89:
+    case 0x8f:
+    case 0x90:
+    case 0x91:
+    case 0x92:
+    case 0x93:
+    case 0x94:
+    case 0x97:
+    case 0x98: return PickleArg::none;
+    default: return PickleArg::unknown;
+  }
+}
+
 /// Walks a pickle's opcodes and throws when a length field asks for more bytes than the pickle has left.
 /// (LibTorch's Unpickler sizes its buffer from such a field before reading: a damaged 20 KB file asked for a
 /// 4 GB string, which fuzzing found.) Opcodes it does not know end the walk; the Unpickler judges the rest.
@@ -177,80 +251,22 @@ inline void check_pickle_lengths(const char* p, std::size_t size) {
     at = static_cast<std::size_t>(static_cast<const char*>(nl) - p) + 1;
   };
   while (at < size) {
-    const auto op = static_cast<unsigned char>(p[at++]);
-    switch (op) {
-      case '.': return;  // STOP
-      case 'K':
-      case 'h':
-      case 'q':
-      case 0x80:
-      case 0x82: skip(1); break;  // one-byte arguments
-      case 'M':
-      case 0x83: skip(2); break;
-      case 'J':
-      case 'j':
-      case 'r':
-      case 0x84: skip(4); break;
-      case 'G':
-      case 0x95: skip(8); break;  // BINFLOAT, FRAME
-      case 'U':
-      case 'C':
-      case 0x8a:
-      case 0x8c: skip(number(1)); break;  // short strings, bytes, LONG1
-      case 'T':
-      case 'X':
-      case 'B':
-      case 0x8b: skip(number(4)); break;  // strings, bytes, LONG4
-      case 0x8d:
-      case 0x8e:
-      case 0x96: skip(number(8)); break;  // 8-byte lengths
-      case 'F':
-      case 'I':
-      case 'L':
-      case 'P':
-      case 'S':
-      case 'V':
-      case 'g':
-      case 'p': line(); break;
-      case 'c':
-      case 'i':
+    switch (pickle_arg(static_cast<unsigned char>(p[at++]))) {
+      case PickleArg::stop:
+      case PickleArg::unknown: return;
+      case PickleArg::none: break;
+      case PickleArg::fixed1: skip(1); break;
+      case PickleArg::fixed2: skip(2); break;
+      case PickleArg::fixed4: skip(4); break;
+      case PickleArg::fixed8: skip(8); break;
+      case PickleArg::length1: skip(number(1)); break;
+      case PickleArg::length4: skip(number(4)); break;
+      case PickleArg::length8: skip(number(8)); break;
+      case PickleArg::line: line(); break;
+      case PickleArg::two_lines:
         line();
         line();
-        break;  // GLOBAL, INST: module and name
-      case '(':
-      case '0':
-      case '1':
-      case '2':
-      case 'N':
-      case 'Q':
-      case 'R':
-      case 'a':
-      case 'b':
-      case 'd':
-      case '}':
-      case 'e':
-      case 'l':
-      case ']':
-      case 'o':
-      case 's':
-      case 't':
-      case ')':
-      case 'u':
-      case 0x81:
-      case 0x85:
-      case 0x86:
-      case 0x87:
-      case 0x88:
-      case 0x89:
-      case 0x8f:
-      case 0x90:
-      case 0x91:
-      case 0x92:
-      case 0x93:
-      case 0x94:
-      case 0x97:
-      case 0x98: break;  // no argument
-      default: return;   // not an opcode this knows
+        break;
     }
   }
 }

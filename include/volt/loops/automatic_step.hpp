@@ -1,0 +1,64 @@
+#pragma once
+/// \file
+/// `detail::AutomaticStep`: one training batch's optimization under automatic optimization, as Lightning's
+/// `_AutomaticOptimization` — the step under the precision's context, zero_grad at a window's start, backward with
+/// the strategy's gradient hooks, and at a window's end unscaling, clipping, the optimizer step and the loss scale's
+/// update. One of the training step's variants (loops/optimization.hpp has what they share); the fit loop owns one
+/// for the length of a fit and calls `run` for every batch.
+
+#include "volt/context.hpp"
+#include "volt/detail/torch_compat.hpp"
+#include "volt/loops/hooks.hpp"
+#include "volt/loops/optimization.hpp"
+
+#include <torch/types.h>
+
+namespace volt::detail {
+
+/// The automatic step on the host, for a Trainer `T` (a friend of it: it reads the precision, the strategy, the
+/// options and the optimizer).
+template <class T>
+class AutomaticStep {
+ public:
+  template <class Impl>
+  AutomaticStep(T& trainer, Impl& /*module*/, Context& /*ctx*/) : t_(trainer) {}
+
+  /// Runs the batch's optimization. Returns the detached loss (undefined: the step returned none, which skips the
+  /// batch's optimization, as returning None in Lightning).
+  template <class Impl, class Batch>
+  torch::Tensor run(Impl& module, Context& ctx, Batch& batch, const Window& w) {
+    ScheduledOptimizer& slot = t_.optim_.front();
+    torch::optim::Optimizer& optimizer = slot.optimizer();
+    torch::Tensor loss = t_.with_device_batch(batch, [&](auto& b) -> torch::Tensor {
+      [[maybe_unused]] auto guard = t_.precision_.forward_context(T::accelerator_type::device_type);
+      return run_module_step(t_.state_, "training_step", [&] { return module.training_step(b, ctx); });
+    });
+    if (!loss.defined()) return loss;
+    if (w.starts) {
+      t_.template hook<hooks::on_before_zero_grad>(module, ctx, optimizer);
+      zero_grad(optimizer);
+    }
+    const torch::Tensor scaled = w.size > 1 ? loss / static_cast<double>(w.size) : loss;
+    t_.template hook<hooks::on_before_backward>(module, ctx, scaled);
+    t_.strategy_.pre_backward(w.steps);
+    run_module_step(t_.state_, "the backward pass of training_step's loss", [&] { t_.precision_.backward(scaled); });
+    t_.strategy_.post_backward();
+    t_.template hook<hooks::on_after_backward>(module, ctx);
+    if (w.steps) {
+      t_.precision_.unscale_gradients(optimizer);
+      t_.template hook<hooks::on_before_optimizer_step>(module, ctx, optimizer);
+      if (const auto& clip = t_.options_.gradient_clip_val; clip && *clip > 0.0) {
+        clip_gradients(t_.params_, *clip, t_.options_.gradient_clip_algorithm);
+      }
+      t_.precision_.optimizer_step(optimizer);
+      t_.precision_.update();
+      t_.count_optimizer_step(slot);
+    }
+    return loss.detach();
+  }
+
+ private:
+  T& t_;
+};
+
+}  // namespace volt::detail

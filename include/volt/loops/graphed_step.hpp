@@ -197,7 +197,9 @@ class GraphedStep {
     for (const auto& p : t_.params_) had_grads.push_back(p.grad().defined() ? p.grad().unsafeGetTensorImpl() : nullptr);
     try {
       Redirect redirect(t_.train_store_, logs[v]);
-      graphs[v].capture(t_.state_.device, [&] {
+      // By value what belongs to this call (a graph type that runs the step's host code again at replay, as the CPU
+      // tests' does, calls this after it has returned); the module, its Context and the optimizer live for the fit.
+      graphs[v].capture(t_.state_.device, [this, &module, &ctx, &optimizer, v, w] {
         const torch::Tensor l = body(module, ctx, *inputs, w, optimizer);
         if (!l.defined()) {
           throw std::invalid_argument("training_step returned no loss (an undefined tensor), so there is no step to "

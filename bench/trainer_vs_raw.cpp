@@ -2,7 +2,8 @@
 // process, rounds interleaved (raw, trainer, raw, trainer, ...). Prints one JSON line per case with the median
 // step time of each and their ratio (trainer / raw; goal: <= 1.02 on CPU, <= 1.01 on GPU). The cases: a small MLP
 // and a CNN with LibTorch's SGD, and an MLP 784-256-256-10 (batch 128) with LibTorch's Adam and with volt::optim::Adam,
-// whose fused step is short enough that the Trainer's own cost per step shows.
+// whose fused step is short enough that the Trainer's own cost per step shows; the last once more with the gradients
+// zeroed after training_step (Lightning's order, which the Trainer keeps where an on_before_zero_grad hook would see it).
 //   trainer_vs_raw [--rounds 7] [--steps 200] [--warmup 20] [--device cpu|cuda] [--case NAME]
 
 #include <torch/torch.h>
@@ -70,13 +71,18 @@ struct FusedAdam {
   }
 };
 
-/// The model as volt sees it: the same forward, a training step with the same loss, the same optimizer.
-template <class Net, class Opt>
+/// The model as volt sees it: the same forward, a training step with the same loss, the same optimizer. With
+/// `ZeroHook`, an empty on_before_zero_grad, which makes the Trainer zero the gradients after training_step, in
+/// Lightning's order (without one it zeroes them first, as the hand loop does): the `_lightning_order` cases.
+template <class Net, class Opt, bool ZeroHook = false>
 struct Lit : Net {
   torch::Tensor training_step(const Batch& batch, volt::Context&) {
     return torch::nn::functional::cross_entropy(this->forward(batch.data), batch.target);
   }
   auto configure_optimizers() { return Opt::make(this->parameters()); }
+  void on_before_zero_grad(torch::optim::Optimizer&)
+    requires ZeroHook
+  {}
 };
 
 /// What the user would write by hand with the same precision: the autocast region, then the usual four lines.
@@ -120,11 +126,11 @@ struct Config {
   std::string only;
 };
 
-template <class Net, class Opt, class P, class A>
+template <class Net, class Opt, class P, class A, bool ZeroHook = false>
 void run_case(const char* name, const Config& cfg, std::vector<Batch> batches) {
   if (!cfg.only.empty() && cfg.only != name) return;
   const c10::DeviceType dt = A::device_type;
-  Lit<Net, Opt> raw_net, volt_net;
+  Lit<Net, Opt, ZeroHook> raw_net, volt_net;
   raw_net.to(A::device(0));
   volt_net.to(A::device(0));
   using Clock = std::chrono::steady_clock;
@@ -184,6 +190,9 @@ void run_all(const Config& cfg) {
   (run_case<Mlp784Impl, TorchAdam, Ps, A>("mlp784_adam", cfg, make_batches<A>(cfg.steps, {128, 784}, device)), ...);
   (run_case<Mlp784Impl, FusedAdam, Ps, A>("mlp784_fused_adam", cfg, make_batches<A>(cfg.steps, {128, 784}, device)),
    ...);
+  (run_case<Mlp784Impl, FusedAdam, Ps, A, true>("mlp784_fused_adam_lightning_order", cfg,
+                                               make_batches<A>(cfg.steps, {128, 784}, device)),
+   ...);
 }
 
 }  // namespace
@@ -200,7 +209,7 @@ int main(int argc, char** argv) {
     else if (a == "--case") cfg.only = next();
     else {
       std::cerr << "usage: trainer_vs_raw [--rounds N] [--steps N] [--warmup N] [--device cpu|cuda] "
-                   "[--case mlp|cnn|mlp784_adam|mlp784_fused_adam]\n";
+                   "[--case mlp|cnn|mlp784_adam|mlp784_fused_adam|mlp784_fused_adam_lightning_order]\n";
       return 2;
     }
   }

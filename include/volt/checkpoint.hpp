@@ -8,10 +8,10 @@
 /// | `format`, `format_version` | `"volt.checkpoint"`, 1 |
 /// | `volt_version`, `torch_version` | the versions that wrote it |
 /// | `state_dict` | the module's parameters and buffers by dotted name, as `nn.Module.state_dict()`; CPU tensors |
-/// | `optimizer_states` | per optimizer, its LibTorch archive as a uint8 tensor |
-/// | `lr_schedulers` | per scheduler, `{"step_count": n}` |
+/// | `optimizer_states` | per optimizer (in configure_optimizers' order), its LibTorch archive as a uint8 tensor |
+/// | `lr_schedulers` | per scheduler, `{"step_count": n, "optimizer": index of its optimizer}` |
 /// | `precision` | the precision's state (Fp16Mixed: the loss scaler's `scale`, `_growth_tracker`, ...) |
-/// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size`, `optimizer_steps` (each optimizer's steps) |
+/// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size`, `optimizer_steps` (each optimizer's steps), `batches_that_stepped` |
 /// | `loaders` | `{"train": position}` (data/concept.hpp's LoaderState) when the training loader keeps one |
 /// | `metrics` | the training epoch's running metric sums, so epoch means stay whole across a resume |
 /// | `rng` | `cpu` (and `cuda`): every rank's generator state, in rank order |

@@ -145,7 +145,7 @@ class ManualOptimizer {
   /// whether the optimizer stepped. Under a precision that scales the loss (Fp16Mixed), each optimizer steps at most
   /// once per training_step: the scale is updated once, after it.
   bool step() { return engine_->step(index_); }
-  /// Sets its parameters' gradients to none (LibTorch's `zero_grad(set_to_none = true)`).
+  /// Sets its parameters' gradients to none (LibTorch 2.x's `zero_grad(set_to_none = true)`; 1.13 zeroes them).
   void zero_grad() { engine_->zero_grad(index_); }
   /// The optimizer itself (its param_groups, its state).
   torch::optim::Optimizer& optimizer() const { return engine_->optimizer(index_); }
@@ -295,9 +295,10 @@ class Context {
   /// The fit's manual step, or an error that says how to get one.
   detail::ManualOptimization& manual(const char* what) {
     if (state_->manual == nullptr) {
-      throw std::logic_error(std::string("volt: ctx.") + what + " is for manual optimization, during a fit: declare "
-                             "`static constexpr bool automatic_optimization = false;` in the module to step its "
-                             "optimizers yourself, or return the loss from training_step and let volt step them.");
+      throw std::logic_error(std::string("volt: ctx.") + what + " is for manual optimization, and no fit with it is "
+                             "running here: call it from training_step (or another hook of fit) of a module that "
+                             "declares `static constexpr bool automatic_optimization = false;`, or return the loss from "
+                             "training_step and let volt step the optimizers.");
     }
     return *state_->manual;
   }

@@ -31,7 +31,7 @@
 ///
 /// **Manual optimization** (Lightning's `automatic_optimization = False`): a module that declares
 /// `static constexpr bool automatic_optimization = false;` steps its own optimizers in `training_step`, which may then
-/// return nothing (what it returns is handed to `on_train_batch_end` and used for nothing else). Its
+/// return nothing (a tensor it returns is handed to `on_train_batch_end` as the loss and used for nothing else). Its
 /// `configure_optimizers` may return several optimizers: a `std::tuple` of anything one optimizer may be (each keeps
 /// its type: `std::tuple<volt::optim::Adam, volt::optim::Adam>`, `OptimizerConfigOf<O>`s with schedulers), or a
 /// `std::vector<OptimizerConfig>` when the count is known only at run time. Through its Context:
@@ -42,14 +42,15 @@
 /// | `ctx.lr_schedulers()` | their schedulers (null where none) |
 /// | `ctx.manual_backward(loss)` | backward through the precision (Fp16Mixed scales the loss) and the strategy (DDP averages the gradients) |
 /// | `opt.step()` | unscales (once), `on_before_optimizer_step`, steps unless an inf/NaN was found (Fp16Mixed), counts `global_step`, steps its scheduler when it has `Interval::step` |
-/// | `opt.zero_grad()` | its parameters' gradients set to none |
+/// | `opt.zero_grad()` | its parameters' gradients set to none (zeroed on LibTorch 1.13) |
 /// | `ctx.clip_gradients(opt, value, ClipAlgorithm::norm)` | unscales (once), then clips its parameters' gradients |
 /// | `ctx.toggle_optimizer(opt)`, `ctx.untoggle_optimizer(opt)` | only its parameters require gradients, until untoggled |
 /// | `auto guard = ctx.no_sync();` | manual_backward does not synchronise across ranks while the guard lives |
 ///
-/// `global_step` counts every optimizer's steps (two per batch for a GAN), as Lightning's does in manual mode.
-/// Schedulers with `Interval::step` step every `frequency` steps of their own optimizer, those with `Interval::epoch`
-/// after the epoch. Under Fp16Mixed one loss scale serves every optimizer (scaled at each backward, each optimizer
+/// `global_step` counts every optimizer's steps (two per batch for a GAN), as Lightning's does in manual mode; loggers
+/// get a row every `log_every_n_steps` batches that stepped, also as Lightning. **Unlike Lightning**, whose manual mode
+/// leaves schedulers to the module, volt steps them as in automatic mode: a scheduler with `Interval::step` every
+/// `frequency` steps of its own optimizer, one with `Interval::epoch` after the epoch; do not call their `step()`. Under Fp16Mixed one loss scale serves every optimizer (scaled at each backward, each optimizer
 /// unscaled once, the scale updated once after training_step), so each optimizer steps at most once per batch there.
 /// Checkpoints hold every optimizer and scheduler, each optimizer's step count and the module's gradients. Refused:
 /// several optimizers without manual optimization (compile time), manual optimization with `Graphed` (compile time),

@@ -104,10 +104,10 @@ void resume_from(const Dict& file) {
   auto train = loader();
   auto params = net->parameters();
   auto config = net->configure_optimizers();
-  volt::checkpoint::ResumeState r =
-      volt::checkpoint::resume_state_of(file, "input", *net, train, params.size(), /*has_scheduler=*/true, 0);
-  volt::checkpoint::load_optimizer_state(*config.optimizer, r.optimizer, "input");
-  volt::checkpoint::load_scheduler_step_count(*config.scheduler, *r.scheduler_step_count);
+  volt::checkpoint::ResumeState r = volt::checkpoint::resume_state_of(
+      file, "input", *net, train, volt::checkpoint::FitShape{params.size(), {/*has_scheduler=*/true}}, 0);
+  volt::checkpoint::load_optimizer_state(*config.optimizer, r.optimizers.at(0), "input");
+  volt::checkpoint::load_scheduler_step_count(*config.scheduler, r.scheduler_step_counts.at(0));
   volt::checkpoint::load_module_state(*net, r.weights);
   if (r.train_loader) {
     train.load_state_dict(*r.train_loader);

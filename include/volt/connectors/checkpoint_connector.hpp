@@ -124,6 +124,8 @@ inline std::vector<volt::detail::MetricEntry> metrics_from_state(const c10::IVal
 // ---- learning-rate schedulers --------------------------------------------------------------------------------
 
 inline constexpr const char* kSchedulerStepCount = "step_count";
+/// The index of the scheduler's optimizer in configure_optimizers' order (files without it: the order of the list).
+inline constexpr const char* kSchedulerOptimizer = "optimizer";
 
 namespace detail {
 /// LibTorch's schedulers keep their step count protected and have no save/load; a checkpoint needs it.
@@ -132,12 +134,19 @@ struct SchedulerAccess : torch::optim::LRScheduler {
 };
 }  // namespace detail
 
-/// `lr_schedulers`: one entry per scheduler, in the order of the optimizers that have one.
-inline c10::impl::GenericList schedulers_to_state(const std::vector<torch::optim::LRScheduler*>& schedulers) {
+/// A scheduler and the index of its optimizer.
+struct SchedulerOf {
+  torch::optim::LRScheduler* scheduler = nullptr;
+  int64_t optimizer = 0;
+};
+
+/// `lr_schedulers`: one entry per scheduler, in the order of the optimizers that have one, each naming its optimizer.
+inline c10::impl::GenericList schedulers_to_state(const std::vector<SchedulerOf>& schedulers) {
   c10::impl::GenericList out(c10::AnyType::get());
-  for (torch::optim::LRScheduler* scheduler : schedulers) {
+  for (const SchedulerOf& s : schedulers) {
     Dict d = make_dict();
-    d.insert(kSchedulerStepCount, static_cast<int64_t>(detail::SchedulerAccess::step_count(*scheduler)));
+    d.insert(kSchedulerStepCount, static_cast<int64_t>(detail::SchedulerAccess::step_count(*s.scheduler)));
+    d.insert(kSchedulerOptimizer, s.optimizer);
     out.push_back(d);
   }
   return out;
@@ -289,7 +298,7 @@ void load_callbacks_state(std::tuple<Cs...>& callbacks, const Dict& states, cons
 struct FitState {
   /// Every optimizer, in configure_optimizers' order, and the schedulers of those that have one, in that order.
   std::vector<const torch::optim::Optimizer*> optimizers;
-  std::vector<torch::optim::LRScheduler*> schedulers;
+  std::vector<SchedulerOf> schedulers;
   std::map<std::string, double> precision;
   Dict loops = make_dict();
   std::optional<data::LoaderState> train_loader;
@@ -373,8 +382,19 @@ inline void read_optimizers(const Dict& d, const std::string& path, const FitSha
                           (wanted == 0 ? std::string("none") : std::to_string(wanted)) +
                           ". Resume with the configure_optimizers that wrote it.");
   }
-  for (const auto& sch : schedulers) {
-    r.scheduler_step_counts.push_back(entry(sch.toGenericDict(), kSchedulerStepCount, path).toInt());
+  std::vector<int64_t> owners;  // the optimizers that have a scheduler, in order
+  for (std::size_t i = 0; i < n; ++i) {
+    if (fit.has_scheduler[i]) owners.push_back(static_cast<int64_t>(i));
+  }
+  for (std::size_t k = 0; k < schedulers.size(); ++k) {
+    const Dict sch = schedulers[k].toGenericDict();
+    const int64_t owner = sch.contains(kSchedulerOptimizer) ? sch.at(kSchedulerOptimizer).toInt() : owners[k];
+    if (owner != owners[k]) {
+      throw CheckpointError("volt: " + path + " holds a learning-rate scheduler of optimizer " + std::to_string(owner) +
+                            " where this fit's scheduler belongs to optimizer " + std::to_string(owners[k]) +
+                            ". Resume with the configure_optimizers that wrote it.");
+    }
+    r.scheduler_step_counts.push_back(entry(sch, kSchedulerStepCount, path).toInt());
   }
 }
 

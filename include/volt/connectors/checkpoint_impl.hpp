@@ -49,9 +49,10 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
     if (!weights_only) {
       checkpoint::FitState fit;
       std::vector<int64_t> optimizer_steps;
-      for (const auto& o : optim_) {
+      for (std::size_t i = 0; i < optim_.size(); ++i) {
+        const detail::ScheduledOptimizer& o = optim_[i];
         fit.optimizers.push_back(o.config.optimizer.get());
-        if (o.config.scheduler) fit.schedulers.push_back(o.config.scheduler.get());
+        if (o.config.scheduler) fit.schedulers.push_back({o.config.scheduler.get(), static_cast<int64_t>(i)});
         optimizer_steps.push_back(o.steps);
       }
       fit.precision = precision_.state_dict();
@@ -129,7 +130,13 @@ detail::ResumePoint Trainer<S, P, A, Cs...>::restore(Impl& module, TL& train_loa
     for (std::size_t i = 0; i < optim_.size(); ++i) {
       torch::optim::Optimizer& o = optim_[i].optimizer();
       const at::Tensor backup = checkpoint::optimizer_state(o);
-      checkpoint::load_optimizer_state(o, r.optimizers[i], path);  // refuses a state that does not fit, unchanged
+      try {
+        checkpoint::load_optimizer_state(o, r.optimizers[i], path);  // refuses a state that does not fit, unchanged
+      } catch (const CheckpointError& e) {
+        if (optim_.size() == 1) throw;
+        throw CheckpointError(std::string(e.what()) + " (It is optimizer " + std::to_string(i) + " of " +
+                              std::to_string(optim_.size()) + ".)");
+      }
       undo.push_back([&o, backup, path] { checkpoint::load_optimizer_state(o, backup, path); });
     }
     if (!r.precision.empty()) precision_.load_state_dict(r.precision);

@@ -49,11 +49,11 @@ class AutomaticStep {
       [[maybe_unused]] auto guard = t_.precision_.forward_context(T::accelerator_type::device_type);
       return run_module_step(t_.state_, "training_step", [&] { return module.training_step(b, ctx); });
     });
-    if (!loss.defined()) return loss;
-    if (zero_seen && w.starts) {
+    if (zero_seen && w.starts) {  // also when the step returned no loss, as Lightning zeroes them
       t_.template hook<hooks::on_before_zero_grad>(module, ctx, optimizer);
       zero_grad(optimizer);
     }
+    if (!loss.defined()) return loss;
     const torch::Tensor scaled = w.size > 1 ? loss / static_cast<double>(w.size) : loss;
     t_.template hook<hooks::on_before_backward>(module, ctx, scaled);
     t_.strategy_.pre_backward(w.steps);

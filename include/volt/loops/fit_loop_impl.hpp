@@ -214,13 +214,18 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, Step& step
   progress_.mid_window = !window.steps;
   const int64_t steps_before = state_.global_step;
   torch::Tensor detached = step.run(module, ctx, batch, window);
-  const bool steps = manual_optimization<Impl> ? state_.global_step != steps_before : window.steps;
+  const bool stepped = state_.global_step != steps_before;
+  if (stepped) ++progress_.batches_that_stepped;
+  const bool steps = manual_optimization<Impl> ? stepped : window.steps;
   hook<detail::hooks::on_train_batch_end>(module, ctx, detached, batch, batch_idx);
   leave_batch();
 
   logger_.publish_step(train_store_, collectives_, has_loggers());
   if constexpr (has_loggers()) {
-    if (steps && (state_.global_step % options_.log_every_n_steps == 0 || progress_.should_stop)) {
+    // Every log_every_n_steps batches that stepped, as Lightning counts them (the same as optimizer steps, except under
+    // manual optimization, where a batch may step several optimizers).
+    const int64_t counted = manual_optimization<Impl> ? progress_.batches_that_stepped : state_.global_step;
+    if (steps && (counted % options_.log_every_n_steps == 0 || progress_.should_stop)) {
       send_to_loggers(logger_.pending());
     } else {
       logger_.pending().clear();
@@ -298,7 +303,7 @@ void Trainer<S, P, A, Cs...>::check_manual_options() const {
                       "(automatic_optimization = false): leave it at 1 and accumulate in training_step (step the "
                       "optimizer every k batches; under DDP, hold ctx.no_sync() around the other backwards).");
   }
-  if (options_.gradient_clip_val) {
+  if (options_.gradient_clip_val && *options_.gradient_clip_val > 0.0) {
     throw ConfigError("volt: gradient_clip_val=" + std::to_string(*options_.gradient_clip_val) +
                       " is for automatic optimization, and this module steps its own optimizers "
                       "(automatic_optimization = false): leave it unset and call ctx.clip_gradients(opt, value, "

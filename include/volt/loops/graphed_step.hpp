@@ -157,14 +157,14 @@ class GraphedStep {
       [[maybe_unused]] auto guard = t_.precision_.forward_context(T::accelerator_type::device_type);
       loss = run_module_step(t_.state_, "training_step", [&] { return module.training_step(b, ctx); });
     }
-    if (!loss.defined()) return loss;
-    if (w.starts) {
+    if (w.starts) {  // also when the step returned no loss (an eager step), as Lightning zeroes them
       std::vector<torch::Tensor> grads;
       for (const auto& p : t_.params_) {
         if (p.grad().defined()) grads.push_back(p.grad());
       }
       if (!grads.empty()) at::_foreach_zero_(grads);
     }
+    if (!loss.defined()) return loss;
     const torch::Tensor scaled = w.size > 1 ? loss / static_cast<double>(w.size) : loss;
     run_module_step(t_.state_, "the backward pass of training_step's loss", [&] { t_.precision_.backward(scaled); });
     if (w.steps) {

@@ -25,6 +25,7 @@ inline constexpr const char* val_pending = "val_pending";
 inline constexpr const char* should_stop = "should_stop";
 inline constexpr const char* world_size = "world_size";
 inline constexpr const char* optimizer_steps = "optimizer_steps";
+inline constexpr const char* batches_that_stepped = "batches_that_stepped";
 }  // namespace loop_keys
 
 /// Where a checkpoint's fit stood: what `FitProgress::state_dict` wrote, read back and checked.
@@ -45,6 +46,8 @@ struct ResumePoint {
   int world_size = 1;
   /// Each optimizer's steps (empty in files that predate the entry: one optimizer, whose steps are global_step).
   std::vector<int64_t> optimizer_steps;
+  /// Training batches after which an optimizer stepped (files that predate the entry: global_step).
+  int64_t batches_that_stepped = 0;
   /// Filled by the checkpoint connector: this rank's generator states at the save, and whether the training
   /// loader took up its saved position (otherwise `batch_in_epoch` batches are skipped).
   std::vector<at::Tensor> rng;
@@ -62,6 +65,9 @@ struct ResumePoint {
     r.val_pending = b(loop_keys::val_pending);
     r.should_stop = b(loop_keys::should_stop);
     r.world_size = static_cast<int>(i(loop_keys::world_size));
+    r.batches_that_stepped = loops.contains(loop_keys::batches_that_stepped)
+                                 ? checkpoint::entry(loops, loop_keys::batches_that_stepped, path).toInt()
+                                 : r.global_step;
     if (loops.contains(loop_keys::optimizer_steps)) {
       for (const auto& n : checkpoint::entry(loops, loop_keys::optimizer_steps, path).toListRef()) {
         r.optimizer_steps.push_back(n.toInt());
@@ -77,6 +83,8 @@ struct FitProgress {
   /// Training batches run in this fit, across epochs (val_check_interval counts these when
   /// check_val_every_n_epoch is unset).
   int64_t total_batch_idx = 0;
+  /// Training batches after which an optimizer stepped (loggers count these, as Lightning's `_batches_that_stepped`).
+  int64_t batches_that_stepped = 0;
   /// Batches of the running epoch done so far (the running one included).
   int64_t batches_this_epoch = 0;
   /// The running training batch: its index and whether it is the epoch's last.
@@ -121,12 +129,14 @@ struct FitProgress {
     d.insert(loop_keys::should_stop, should_stop);
     d.insert(loop_keys::world_size, static_cast<int64_t>(world_size));
     d.insert(loop_keys::optimizer_steps, c10::List<int64_t>(optimizer_steps));
+    d.insert(loop_keys::batches_that_stepped, batches_that_stepped);
     return d;
   }
 
   /// Takes up the counters of a resumed fit.
   void load(const ResumePoint& r) {
     total_batch_idx = r.total_batch_idx;
+    batches_that_stepped = r.batches_that_stepped;
     should_stop = r.should_stop;
   }
 };

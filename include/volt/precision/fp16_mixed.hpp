@@ -22,6 +22,8 @@ class Fp16Mixed : public PrecisionDefaults {
   explicit Fp16Mixed(GradScalerOptions options) : scaler_(options) {}
 
   detail::AutocastGuard forward_context(c10::DeviceType device) { return detail::AutocastGuard(device, at::kHalf); }
+  /// A run starts: no optimizer is between its unscale and the scale's update (an earlier run may have failed there).
+  void convert_module(torch::nn::Module&) { scaler_.discard_pending(); }
   void backward(const torch::Tensor& loss) { scaler_.scale(loss).backward(); }
   void unscale_gradients(torch::optim::Optimizer& optimizer) { scaler_.unscale_(optimizer); }
   bool optimizer_step(torch::optim::Optimizer& optimizer) { return scaler_.step(optimizer); }

@@ -133,6 +133,10 @@ class GradScaler {
     optimizers_.clear();
   }
 
+  /// Forgets the optimizers unscaled or stepped since the last update (a run that failed between its unscale and its
+  /// update leaves them), keeping the scale and its growth tracker.
+  void discard_pending() { optimizers_.clear(); }
+
   /// The current scale (reads the device value; a sync on GPU).
   double get_scale() const { return scale_.defined() ? scale_.item<float>() : options_.init_scale; }
   /// Clean steps since the last change of scale.

@@ -177,7 +177,9 @@ class Reducer {
     if (!armed_) return;
     Bucket& b = buckets_[bucket_of_[i]];
     const std::size_t k = slot_of_[i];
-    if (b.arrived[k]) return;
+    // A parameter frozen after the forward that used it still has its hook called (autograd then adds nothing to
+    // its .grad): it is not counted, so the bucket waits for the gradients it did count.
+    if (b.arrived[k] || !b.taking_part[k]) return;
     torch::NoGradGuard no_grad;
     torch::Tensor slot = b.flat.narrow(0, b.offsets[k], grad.numel());
     const torch::Tensor& accumulated = params_[i].grad();

@@ -3,7 +3,7 @@
 # (or through sudo when not root). `--tests` adds what only the test suite needs: Python's torch, which
 # reads volt's checkpoints in one test. `--fuzz` adds clang and libFuzzer (scripts/fuzz.sh).
 set -euo pipefail
-packages=(g++ make cmake libtorch-dev libboost-mpi-dev openmpi-bin catch2 zlib1g-dev dataset-fashion-mnist)
+packages=(g++ make cmake libtorch-dev libboost-mpi-dev openmpi-bin catch2 zlib1g-dev libpng-dev dataset-fashion-mnist)
 case "${1:-}" in
   --tests) packages+=(python3 python3-torch) ;;
   --fuzz) packages+=(clang libfuzzer-14-dev) ;;  # scripts/fuzz.sh: clang's libFuzzer and sanitizers

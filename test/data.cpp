@@ -1,14 +1,20 @@
 // Batches and loaders: the batch helpers, TensorLoader's sizes, shuffles and shards (as DistributedSampler),
-// and loader positions saved and resumed, across rank counts too.
+// loader positions saved and resumed, across rank counts too, and workers: the same batches for any worker count,
+// augmentation seeded per sample, a failing read, stopping.
 
 #include "common.hpp"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 // ---- batches and loaders --------------------------------------------------------------------------------
 
@@ -119,13 +125,16 @@ TEMPLATE_TEST_CASE("a loader interrupted after 0, 1 and k batches resumes with t
   };
   for (const bool shuffle : {false, true}) {
     for (const bool drop_last : {false, true}) {
-      const volt::data::LoaderOptions o{.batch_size = 3, .shuffle = shuffle, .drop_last = drop_last, .seed = 11};
+     for (const int workers : {0, 3}) {  // the position counts delivered batches, not those fetched ahead
+      const volt::data::LoaderOptions o{.batch_size = 3, .shuffle = shuffle, .drop_last = drop_last, .seed = 11,
+                                        .num_workers = workers, .prefetch_factor = 2};
       for (const int64_t epoch : {0, 2}) {
         auto whole = make(10, o);
         whole.set_epoch(epoch);
         const auto full = take(whole);
         for (int64_t k = 0; k < whole.size(); ++k) {
-          INFO("shuffle " << shuffle << " drop_last " << drop_last << " epoch " << epoch << " k " << k);
+          INFO("shuffle " << shuffle << " drop_last " << drop_last << " epoch " << epoch << " k " << k << " workers "
+               << workers);
           auto first = make(10, o);
           first.set_epoch(epoch);
           const auto head = take(first, k);
@@ -150,6 +159,7 @@ TEMPLATE_TEST_CASE("a loader interrupted after 0, 1 and k batches resumes with t
         CHECK(take(next) == take(reference));
         CHECK(next.epoch() == epoch + 1);
       }
+     }
     }
   }
 }
@@ -247,4 +257,225 @@ TEST_CASE("a state saved on N ranks resumes on M ranks: every remaining sample o
       CHECK(cat(head, take(second)) == full);
     }
   }
+}
+
+// ---- workers ----------------------------------------------------------------------------------------------
+
+namespace {
+
+/// Every batch of an epoch, as tensors (data and target), for bitwise comparison.
+template <class L>
+std::vector<torch::data::Example<>> epoch_batches(L& loader, int64_t epoch) {
+  loader.set_epoch(epoch);
+  std::vector<torch::data::Example<>> out;
+  for (auto it = loader.begin(); it != loader.end(); ++it) out.push_back(*it);
+  return out;
+}
+
+bool same_batches(const std::vector<torch::data::Example<>>& a, const std::vector<torch::data::Example<>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i].data, b[i].data) || !torch::equal(a[i].target, b[i].target)) return false;
+  }
+  return true;
+}
+
+/// Images 3x4x4 whose sample i is augmented with a random horizontal flip and noise drawn from the generator
+/// volt hands `get`; every `slow_every`-th read sleeps `sleep`, and index `bad` throws.
+struct AugmentedImages {
+  torch::Tensor x = torch::arange(61 * 48, torch::kFloat32).reshape({61, 3, 4, 4});
+  int64_t bad = -1;
+  std::chrono::milliseconds sleep{0};
+  int64_t size() const { return x.size(0); }
+  torch::data::Example<> get(int64_t i, at::Generator& gen) const {
+    if (i == bad) throw std::runtime_error("cannot decode sample " + std::to_string(i));
+    if (sleep.count() > 0) std::this_thread::sleep_for(sleep);
+    torch::Tensor img = x[i];
+    if (torch::rand({1}, gen).item<float>() < 0.5f) img = img.flip({2});
+    return {img + 0.01 * torch::randn(img.sizes(), gen), torch::full({1}, i, torch::kLong)};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("workers deliver the synchronous loader's batches, bitwise, on 1 and 2 ranks", "[loader][data]") {
+  for (const int world : {1, 2}) {
+    for (const bool shuffle : {false, true}) {
+      const volt::data::LoaderOptions sync{.batch_size = 4, .shuffle = shuffle, .seed = 5};
+      for (int rank = 0; rank < world; ++rank) {
+        auto reference = volt::data::SampleLoader(AugmentedImages{}, sync).shard(rank, world);
+        for (const int workers : {1, 3}) {
+          for (const int prefetch : {1, 2}) {
+            INFO("world " << world << " rank " << rank << " shuffle " << shuffle << " workers " << workers
+                          << " prefetch " << prefetch);
+            auto o = sync;
+            o.num_workers = workers;
+            o.prefetch_factor = prefetch;
+            auto loader = volt::data::SampleLoader(AugmentedImages{}, o).shard(rank, world);
+            for (const int64_t epoch : {0, 1}) CHECK(same_batches(epoch_batches(loader, epoch), epoch_batches(reference, epoch)));
+            auto tensors = index_loader(37, o).shard(rank, world);
+            auto tensors_sync = index_loader(37, sync).shard(rank, world);
+            CHECK(same_batches(epoch_batches(tensors, 1), epoch_batches(tensors_sync, 1)));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("augmentation draws from a generator seeded by (seed, epoch, sample): equal for any worker count and "
+          "after a resume", "[loader][data]") {
+  const AugmentedImages images;
+  const volt::data::LoaderOptions o{.batch_size = 5, .shuffle = true, .seed = 9};
+  // The reference, written by hand: each sample with its own generator, in the epoch's permutation.
+  auto expected_sample = [&](int64_t epoch, int64_t i) {
+    at::Generator gen = volt::data::sample_generator(9, epoch, i);
+    return images.get(i, gen).data;
+  };
+  for (const int workers : {0, 1, 3}) {
+    auto opts = o;
+    opts.num_workers = workers;
+    volt::data::SampleLoader loader(AugmentedImages{}, opts);
+    for (const int64_t epoch : {0, 3}) {
+      const auto order = [&] {
+        loader.set_epoch(epoch);
+        return loader.order();
+      }();
+      const auto batches = epoch_batches(loader, epoch);
+      int64_t pos = 0;
+      for (const auto& b : batches) {
+        for (int64_t j = 0; j < b.data.size(0); ++j, ++pos) {
+          const int64_t i = order[pos].item<int64_t>();
+          REQUIRE(b.target[j].item<int64_t>() == i);
+          CHECK(torch::equal(b.data[j], expected_sample(epoch, i)));
+        }
+      }
+      CHECK(pos == 61);
+    }
+    // Not the same noise in another epoch (the epoch is part of the seed).
+    CHECK_FALSE(torch::equal(expected_sample(0, 7), expected_sample(1, 7)));
+    // Interrupted after 4 batches with 3 workers fetching ahead, resumed by a loader with `workers` workers.
+    auto ahead = o;
+    ahead.num_workers = 3;
+    volt::data::SampleLoader first(AugmentedImages{}, ahead);
+    first.set_epoch(2);
+    std::vector<torch::data::Example<>> head;
+    {
+      auto it = first.begin();
+      for (int k = 0; k < 4; ++k, ++it) head.push_back(*it);
+    }
+    volt::data::SampleLoader second(AugmentedImages{}, opts);
+    second.load_state_dict(first.state_dict());
+    second.set_epoch(2);
+    auto rest = epoch_batches(second, 2);
+    head.insert(head.end(), rest.begin(), rest.end());
+    volt::data::SampleLoader whole(AugmentedImages{}, o);
+    CHECK(same_batches(head, epoch_batches(whole, 2)));
+  }
+}
+
+TEST_CASE("a sample that fails to read ends the pass at its batch with a LoaderError naming it", "[loader][data]") {
+  for (const int workers : {0, 3}) {
+    INFO("workers " << workers);
+    AugmentedImages images;
+    images.bad = 22;  // batch 5 of 4 samples, without shuffling
+    volt::data::SampleLoader loader(images, {.batch_size = 4, .num_workers = workers});
+    int64_t delivered = 0;
+    try {
+      for (auto it = loader.begin(); it != loader.end(); ++it, ++delivered) (void)*it;
+      FAIL("no error");
+    } catch (const volt::LoaderError& e) {
+      CHECK_THAT(e.what(), Contains("reading batch 5 of epoch 0 (samples 20, 21, 22, 23)") &&
+                               Contains("cannot decode sample 22"));
+      if (workers > 0) CHECK_THAT(e.what(), Contains("on loader worker"));
+      CHECK_THROWS_WITH(std::rethrow_if_nested(e), Contains("cannot decode sample 22"));
+    }
+    CHECK(delivered == 5);  // the batches before it were delivered
+    CHECK(loader.state_dict().consumed == 20);
+  }
+}
+
+TEST_CASE("a pass with workers stops within one sample's read when it ends early", "[loader][data]") {
+  AugmentedImages images;
+  images.sleep = std::chrono::milliseconds(300);  // 8 samples a batch: 2.4 s to read a whole batch
+  volt::data::SampleLoader loader(images, {.batch_size = 8, .num_workers = 3, .prefetch_factor = 2});
+  auto it = std::make_unique<decltype(loader.begin())>(loader.begin());
+  (void)**it;  // the first batch; the workers are now inside the next ones
+  const auto t0 = std::chrono::steady_clock::now();
+  it.reset();  // joins the workers
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO("joined in " << seconds << " s");
+  CHECK(seconds < 1.5);  // one sample (0.3 s) per worker, not a batch (2.4 s)
+}
+
+TEST_CASE("loader options are checked", "[loader][data]") {
+  CHECK_THROWS_WITH(index_loader(4, {.num_workers = -1}), Contains("num_workers=-1 is not allowed: give a number >= 0"));
+  CHECK_THROWS_WITH(index_loader(4, {.prefetch_factor = 0}), Contains("prefetch_factor=0 is not allowed"));
+  vt::CaptureCerr cerr;
+  auto pinned = index_loader(4, {.batch_size = 2, .pin_memory = true});
+  CHECK(take(pinned) == std::vector<int64_t>{0, 1, 2, 3});
+  if (!torch::cuda::is_available()) CHECK_THAT(cerr.str(), Contains("pin_memory=true, but LibTorch sees no CUDA device"));
+}
+
+namespace {
+struct ImageNetImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  ImageNetImpl() { lin = register_module("lin", torch::nn::Linear(48, 1)); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    return lin(b.data.flatten(1)).pow(2).mean();
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(1e-4)); }
+};
+TORCH_MODULE(ImageNet);
+
+/// Sends SIGTERM to this process `after` the end of training batch `batch`, from another thread, once.
+struct TermAfterBatch {
+  int64_t batch;
+  std::chrono::milliseconds after;
+  std::shared_ptr<std::thread> sender;
+  std::shared_ptr<std::chrono::steady_clock::time_point> sent = std::make_shared<std::chrono::steady_clock::time_point>();
+  template <class T, class M, class B>
+  void on_train_batch_end(T&, M&, const torch::Tensor&, const B&, int64_t idx) {
+    if (idx != batch || sender) return;
+    sender = std::make_shared<std::thread>([after = after, sent = sent] {
+      std::this_thread::sleep_for(after);
+      *sent = std::chrono::steady_clock::now();
+      ::kill(::getpid(), SIGTERM);
+    });
+  }
+};
+}  // namespace
+
+TEST_CASE("SIGTERM while the workers read slowly: the fit saves and stops after the batch it waits for",
+          "[loader][data]") {
+  const std::string dir = scratch("loader_sigterm").string();
+  AugmentedImages images;
+  images.sleep = std::chrono::milliseconds(100);  // 0.4 s a batch of 4; the epoch's 15 batches take ~2 s on 3 workers
+  volt::data::SampleLoader loader(images, {.batch_size = 4, .num_workers = 3, .prefetch_factor = 2});
+  ImageNet net;
+  TermAfterBatch term{1, std::chrono::milliseconds(50), {}};
+  auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
+      {.max_epochs = 3, .default_root_dir = dir, .signals = {.exit_process = false}},
+      term);
+  std::chrono::steady_clock::time_point stopped;
+  try {
+    trainer.fit(net, loader);
+    FAIL("the fit was not interrupted");
+  } catch (const volt::Interrupted& e) {
+    stopped = std::chrono::steady_clock::now();
+    CHECK(e.signal() == SIGTERM);
+    REQUIRE(fs::exists(e.checkpoint()));
+    // The batch being read when the signal came was trained, then the fit stopped.
+    const int64_t step = volt::checkpoint::read(e.checkpoint()).at("loops").toGenericDict().at("global_step").toInt();
+    CHECK(step >= 3);
+    CHECK(step < 16);
+  }
+  auto& sender = std::get<TermAfterBatch>(trainer.callbacks()).sender;
+  REQUIRE(sender);
+  sender->join();
+  const double seconds = std::chrono::duration<double>(stopped - *std::get<TermAfterBatch>(trainer.callbacks()).sent).count();
+  INFO("stopped " << seconds << " s after the signal");
+  // The bound: the rest of the batch in flight (at most 0.4 s), a step, the checkpoint, and joining the workers
+  // (one 0.1 s sample each); the rest of the run would take about 5 s.
+  CHECK(seconds < 1.5);
 }

@@ -5,6 +5,7 @@
 //   distributed fit <script|spawn> [--accumulate K]   DDP weights == a one-process loop on the same global batches
 //   distributed indices <script|spawn> N              every sample seen once per epoch across ranks
 //   distributed metrics                               sync_dist values, stop decisions, all_gather/broadcast
+//   distributed predict <script|spawn> WORLD          predict and validate on 1001 samples == a hand-written loop
 //   distributed fail <script|spawn> RANK STEP         rank RANK throws at step STEP (the job must end)
 //   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
 //                                                     with MESSAGE in its output and leaves no process behind
@@ -311,6 +312,54 @@ int indices_scenario(int64_t n) {
   return failures == 0 ? 0 : 1;
 }
 
+/// predict and validate over 1001 samples (batches of 10, the last of 1) on WORLD ranks: predict returns every
+/// batch's result once, in the loader's order, on every rank; the validation mean is the mean over the 1001
+/// samples. The reference is a hand-written loop in the same process (rank 0's weights, which DDP broadcasts).
+struct PredictNetImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  PredictNetImpl() { lin = register_module("lin", torch::nn::Linear(4, 1)); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) { return lin(b.data).sum(); }
+  void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    ctx.log("val_loss", (lin(b.data) - b.target).pow(2).mean(), {.sync_dist = true});
+    ctx.log("val_count", static_cast<double>(b.data.size(0)), {.reduce = volt::Reduce::sum, .sync_dist = true});
+  }
+  torch::Tensor predict_step(const torch::data::Example<>& b, volt::Context&) { return lin(b.data); }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.0)); }
+};
+TORCH_MODULE(PredictNet);
+
+template <class L>
+int predict_scenario(int world) {
+  constexpr int64_t n = 1001, batch = 10;
+  auto [x, y] = data(n);
+  PredictNet net;
+  volt::Trainer<volt::DDP<L>> trainer({.devices = world});
+  volt::data::TensorLoader loader(x, y, {.batch_size = batch});
+  const std::vector<torch::Tensor> got = trainer.predict(net, loader);
+  const auto metrics = trainer.validate(net, loader);
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> want;
+  for (int64_t start = 0; start < n; start += batch) want.push_back(net->lin(x.narrow(0, start, std::min(batch, n - start))));
+  const double mean = (net->lin(x) - y).pow(2).mean().template item<double>();
+  check(got.size() == want.size(), "predict returns " + std::to_string(got.size()) + " batches of " +
+                                       std::to_string(want.size()));
+  for (std::size_t k = 0; k < std::min(got.size(), want.size()); ++k) {
+    if (!torch::equal(got[k], want[k])) {
+      check(false, "predict's batch " + std::to_string(k) + " differs from the one-process batch");
+      break;
+    }
+  }
+  check(metrics.at("val_count") == static_cast<double>(n), "validation counted " + std::to_string(metrics.at("val_count")) +
+                                                               " samples of " + std::to_string(n));
+  check(std::abs(metrics.at("val_loss") - mean) <= 1e-6 * std::abs(mean),
+        "validation mean " + std::to_string(metrics.at("val_loss")) + " vs " + std::to_string(mean) + " over the samples");
+  if (failures == 0 && trainer.is_global_zero()) {
+    std::cout << "predict: " << got.size() << " batches in order on " << trainer.strategy().world_size() << " ranks; validation mean over "
+              << n << " samples matches" << std::endl;
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 /// sync_dist values, EarlyStopping agreement and the Context collectives, under mpirun.
 struct MetricNetImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
@@ -511,6 +560,11 @@ const Mode kModes[] = {
      [](const std::vector<std::string>& a) {
        const int64_t n = std::stoll(a.at(2));
        return spawn_given(a) ? indices_scenario<volt::Spawn>(n) : indices_scenario<volt::Script>(n);
+     }},
+    {"predict", "<script|spawn> world: predict and validate on 1001 samples against a hand-written loop",
+     [](const std::vector<std::string>& a) {
+       const int world = std::stoi(a.at(2));
+       return spawn_given(a) ? predict_scenario<volt::Spawn>(world) : predict_scenario<volt::Script>(world);
      }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
     {"gpu-ddp", "<script|spawn>: DDP over NCCL at world size 1 against SingleDevice on the GPU",

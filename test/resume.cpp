@@ -1,8 +1,11 @@
 // Resuming in new processes. Each driver mode starts real processes (this program again, or mpirun) and
 // checks their results against a reference run:
-//   resume sigkill <dir> [rounds] [manual]    a run killed with SIGKILL at a random step and resumed from its
+//   resume sigkill <dir> [rounds] [manual|workers]
+//                                             a run killed with SIGKILL at a random step and resumed from its
 //                                             last checkpoint ends bit-identical to an uninterrupted run (manual:
-//                                             a module with manual optimization, two optimizers)
+//                                             a module with manual optimization, two optimizers; workers: the
+//                                             killed and resumed runs read with 3 loader workers, the
+//                                             uninterrupted one without)
 //   resume kill-mid-write <dir> [rounds]      a writer killed at random moments always leaves a whole file
 //   resume ddp-exact <dir> -- <mpirun...>     2 DDP ranks saved mid-epoch and resumed on 2: bit-identical
 //   resume spawn-exact <dir>                  the same with DDP<Spawn> workers
@@ -101,11 +104,11 @@ struct ManualTinyImpl : TinyImpl {
 };
 TORCH_MODULE(ManualTiny);
 
-volt::data::TensorLoader tiny_data(bool shuffle = true) {
+volt::data::TensorLoader tiny_data(bool shuffle = true, int workers = 0) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   auto x = torch::randn({96, 6}, gen);
   auto y = x.sum(1, true).sin() + 0.05 * torch::randn({96, 1}, gen);
-  return volt::data::TensorLoader(x, y, {.batch_size = 8, .shuffle = shuffle, .seed = 3});
+  return volt::data::TensorLoader(x, y, {.batch_size = 8, .shuffle = shuffle, .seed = 3, .num_workers = workers});
 }
 
 /// Prints "step N" after each optimizer step (after the checkpoint callback has written it).
@@ -120,27 +123,31 @@ struct StepPrinter {
   }
 };
 
-// resume train <dir> <weights-out> [--resume] [--manual]: one process, a checkpoint (last.ckpt) after every step.
+// resume train <dir> <weights-out> [--resume] [--manual] [--workers]: one process, a checkpoint (last.ckpt) after
+// every step; --workers: the loader reads with 3 worker threads.
 template <class Model>
-int train(const std::string& dir, const std::string& out, bool resume) {
+int train(const std::string& dir, const std::string& out, bool resume, int workers) {
   torch::manual_seed(1);  // LibTorch seeds its generator differently in every process: the same initial weights
   Model model;
   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
       {.max_epochs = 4, .deterministic = true, .seed = 7},
       volt::ModelCheckpoint({.dirpath = dir, .save_top_k = 0, .save_last = true, .every_n_train_steps = 1}),
       StepPrinter{});
-  trainer.fit(model, tiny_data(), volt::NoLoader{}, resume ? "last" : "");
+  trainer.fit(model, tiny_data(true, workers), volt::NoLoader{}, resume ? "last" : "");
   trainer.save_checkpoint(out, /*weights_only=*/true);
   return 0;
 }
 
-// resume sigkill <dir> [rounds] [manual]: `manual` trains ManualTiny (72 optimizer steps) instead of Tiny (48).
-int sigkill(const std::string& dir, int rounds, bool manual) {
+// resume sigkill <dir> [rounds] [manual|workers]: `manual` trains ManualTiny (72 optimizer steps) instead of Tiny
+// (48); `workers` kills and resumes runs whose loader has 3 workers, against a reference without.
+int sigkill(const std::string& dir, int rounds, const std::string& variant) {
   fs::remove_all(dir);
   const std::string ref = dir + "/reference.ckpt";
+  const bool manual = variant == "manual";
   const std::vector<std::string> model = manual ? std::vector<std::string>{"--manual"} : std::vector<std::string>{};
   auto train_cmd = [&](std::vector<std::string> cmd) {
     cmd.insert(cmd.end(), model.begin(), model.end());
+    if (variant == "workers" && cmd[2] != dir + "/ref_run") cmd.push_back("--workers");
     return cmd;
   };
   if (run(train_cmd({self_exe(), "train", dir + "/ref_run", ref})) != 0) fail("the reference run failed");
@@ -592,8 +599,8 @@ struct Mode {
   int (*run)(const std::vector<std::string>& a, int argc, char** argv);  // a[0] is the program
 };
 const Mode kModes[] = {
-    {"sigkill", 2, "<dir> [rounds] [manual]", [](const std::vector<std::string>& a, int, char**) {
-       return sigkill(a[2], a.size() > 3 ? std::stoi(a[3]) : 3, a.size() > 4 && a[4] == "manual");
+    {"sigkill", 2, "<dir> [rounds] [manual|workers]", [](const std::vector<std::string>& a, int, char**) {
+       return sigkill(a[2], a.size() > 3 ? std::stoi(a[3]) : 3, a.size() > 4 ? a[4] : "");
      }},
     {"kill-mid-write", 2, "<dir> [rounds]", [](const std::vector<std::string>& a, int, char**) {
        return kill_mid_write(a[2], a.size() > 3 ? std::stoi(a[3]) : 8);
@@ -612,10 +619,11 @@ const Mode kModes[] = {
      }},
     {"export", 2, "<dir>", [](const std::vector<std::string>& a, int, char**) { return export_for_python(a[2]); }},
     // workers
-    {"train", 3, "<dir> <out> [--resume] [--manual]", [](const std::vector<std::string>& a, int, char**) {
+    {"train", 3, "<dir> <out> [--resume] [--manual] [--workers]", [](const std::vector<std::string>& a, int, char**) {
        const bool resume = std::find(a.begin() + 4, a.end(), "--resume") != a.end();
-       if (std::find(a.begin() + 4, a.end(), "--manual") != a.end()) return train<ManualTiny>(a[2], a[3], resume);
-       return train<Tiny>(a[2], a[3], resume);
+       const int workers = std::find(a.begin() + 4, a.end(), "--workers") != a.end() ? 3 : 0;
+       if (std::find(a.begin() + 4, a.end(), "--manual") != a.end()) return train<ManualTiny>(a[2], a[3], resume, workers);
+       return train<Tiny>(a[2], a[3], resume, workers);
      }},
     {"writer", 2, "<path>", [](const std::vector<std::string>& a, int, char**) { return writer(a[2]); }},
     {"ddp-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {

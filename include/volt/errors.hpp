@@ -9,6 +9,7 @@
 /// | `ConfigError` | `std::invalid_argument` | a run-time setting or a combination of them is not allowed (phases (b) and (c), volt/rules.hpp) |
 /// | `CheckpointError` | `std::runtime_error` | a checkpoint could not be written, read or resumed from; the message names the file |
 /// | `StepError` | `std::runtime_error` | a module's step failed; says the step, stage, epoch, batch and rank, with the original nested |
+/// | `LoaderError` | `std::runtime_error` | reading a batch failed (on the training thread or a loader's worker); says the batch, the epoch and the sample indices, with the original nested |
 /// | `Interrupted` | `std::runtime_error` | a stop signal ended a fit after its checkpoint was written (cluster/signals.hpp) |
 
 #include <stdexcept>
@@ -33,6 +34,13 @@ class CheckpointError : public std::runtime_error {
 /// and the rank (`volt: training_step failed in epoch 2, batch 17 (global step 81): Target 10 is out of bounds.`).
 /// The original exception is nested in it (`std::rethrow_if_nested` gives it back).
 class StepError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Reading a batch failed: `volt: reading batch 3 of epoch 1 (samples 12, 40, 7) on loader worker 2 failed: <the
+/// original message>`. The original exception is nested in it.
+class LoaderError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -207,6 +208,34 @@ class MpiGroup {
     MPI_Request request;
     mpi_check(MPI_Iallreduce(&value, &out, 1, MPI_INT, MPI_MAX, work_, &request), "MPI_Iallreduce");
     wait(request);
+    return out;
+  }
+
+  /// Every member's `bytes`, in rank order (MPI allgathers of the sizes, then of the bytes).
+  std::vector<std::string> all_gather_bytes(const std::string& bytes) {
+    const long long mine = static_cast<long long>(bytes.size());
+    std::vector<long long> sizes(static_cast<std::size_t>(size_));
+    MPI_Request request;
+    mpi_check(MPI_Iallgather(&mine, 1, MPI_LONG_LONG, sizes.data(), 1, MPI_LONG_LONG, work_, &request), "MPI_Iallgather");
+    wait(request);
+    std::vector<int> counts(sizes.size()), displs(sizes.size());
+    long long total = 0;
+    for (std::size_t r = 0; r < sizes.size(); ++r) {
+      if (sizes[r] > INT_MAX || total + sizes[r] > INT_MAX) {
+        throw std::runtime_error("volt: gathering " + std::to_string(total + sizes[r]) + " bytes across ranks is "
+                                 "more than one MPI message holds (2 GiB); write large results with a callback.");
+      }
+      counts[r] = static_cast<int>(sizes[r]);
+      displs[r] = static_cast<int>(total);
+      total += sizes[r];
+    }
+    std::string all(static_cast<std::size_t>(total), '\0');
+    mpi_check(MPI_Iallgatherv(bytes.data(), static_cast<int>(mine), MPI_CHAR, all.data(), counts.data(), displs.data(),
+                              MPI_CHAR, work_, &request),
+              "MPI_Iallgatherv");
+    wait(request);
+    std::vector<std::string> out;
+    for (std::size_t r = 0; r < sizes.size(); ++r) out.push_back(all.substr(static_cast<std::size_t>(displs[r]), static_cast<std::size_t>(counts[r])));
     return out;
   }
 

@@ -8,7 +8,8 @@
 /// | member | capability | used for |
 /// |---|---|---|
 /// | `size() -> integer` | `SizedLoader` | fractions in `limit_*_batches` and `val_check_interval`; knowing the last batch without reading ahead |
-/// | `shard(int rank, int world_size) -> loader` | `ShardableLoader` | DDP gives each rank its share (volt::data's loaders: one permutation, padded as DistributedSampler) |
+/// | `shard(int rank, int world_size) -> loader` | `ShardableLoader` | DDP gives each rank its training share (volt::data's loaders: one permutation, padded as DistributedSampler) |
+/// | `shard(int rank, int world_size, Split) -> loader` | `SplittableLoader` | evaluation and prediction under DDP: `Split::whole_batches` deals the one-process batches out in turn, no sample twice (predict's results are gathered back in order) |
 /// | `set_epoch(int64_t)` | | called before each training epoch (the shuffle's seed) |
 /// | `state_dict() const -> LoaderState`, `check_state(const LoaderState&) const` (throws `std::invalid_argument` naming each difference), `load_state_dict(const LoaderState&)`, `batches_done() const -> integer` | `PositionedLoader` | a checkpoint records where the training loader stands, and a resumed fit starts from there, on any number of ranks |
 ///
@@ -37,6 +38,16 @@ struct LoaderState {
   bool operator==(const LoaderState&) const = default;
 };
 
+/// How a loader is split across the ranks of a run.
+enum class Split {
+  /// Training: rank r of W takes positions r, r + W, ... of the epoch's order, the order padded with its first
+  /// samples (as PyTorch's DistributedSampler) so that every rank has as many batches.
+  padded_samples,
+  /// Evaluation and prediction: the batches one process would read, dealt out in turn (rank r takes batches
+  /// r, r + W, ...); no sample twice and no padding, so ranks may differ by one batch.
+  whole_batches,
+};
+
 /// Iterable for batches: `begin()` and `end()`.
 template <class L>
 concept Loader = requires(L& l) {
@@ -53,6 +64,13 @@ concept SizedLoader = requires(L& l) {
 /// Gives the part of itself that one rank of `world_size` iterates.
 template <class L>
 concept ShardableLoader = requires(const L& l) { l.shard(0, 1); };
+
+/// Splits itself either way (see `Split`).
+template <class L>
+concept SplittableLoader = requires(const L& l) {
+  l.shard(0, 1, Split::whole_batches);
+  { l.split() } -> std::same_as<Split>;
+};
 
 /// Keeps its position: its next pass starts where a loaded state says.
 template <class L>

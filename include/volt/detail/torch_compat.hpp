@@ -3,10 +3,13 @@
 /// Every difference between the LibTorch lines volt supports lives here, and nowhere else:
 /// Debian's 1.13.1 (CPU) and 2.x with CUDA (2.11 is tested). Code elsewhere calls these wrappers.
 
+#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
 #include <torch/optim/optimizer.h>
 #include <torch/version.h>
+
+#include <dlfcn.h>
 
 #include <cstdint>
 #include <utility>
@@ -122,5 +125,16 @@ void fused_sgd(A&&... args) {
 
 /// Waits for all work queued on a CUDA device (no-op builds without CUDA are never asked).
 inline void cuda_synchronize(int64_t device_index) { torch::cuda::synchronize(device_index); }
+
+/// Makes LibTorch's operations on the calling thread run single-threaded (a loader worker's): its OpenMP team is
+/// set to one thread after LibTorch's own per-thread set-up, which would otherwise reset it. The OpenMP runtime is
+/// the one LibTorch loaded (found at run time: pip's LibTorch carries a renamed libgomp), so volt links none.
+/// Nothing happens where LibTorch runs without OpenMP.
+inline void serial_intra_op_in_this_thread() {
+  at::internal::lazy_init_num_threads();
+  using SetThreads = void (*)(int);
+  static const auto set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  if (set != nullptr) set(1);
+}
 
 }  // namespace volt::detail

@@ -4,10 +4,14 @@
 /// and predict differ only in their hooks, their step and whether their values are published
 /// (loops/evaluation.hpp); `eval_epoch` runs any of them. Not a header of its own: include volt/trainer.hpp.
 
+#include "volt/loops/predict_gather.hpp"
+
 #include <c10/core/InferenceMode.h>
+#include <c10/util/Type.h>
 #include <torch/utils.h>
 
 #include <optional>
+#include <typeinfo>
 
 namespace volt {
 namespace detail {
@@ -106,7 +110,8 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl&
   return callback_metric_values();
 }
 
-/// `predict`: the evaluation loop with predict's hooks, each step's result kept in order.
+/// `predict`: the evaluation loop with predict's hooks, each step's result kept in order; across ranks, every
+/// rank's results gathered back into the loader's order.
 template <class S, class P, class A, class... Cs>
 template <class R, class Impl, class L>
 std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader) {
@@ -114,6 +119,15 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader) {
   setup_run(module);
   state_.stage = Stage::predict;
   decltype(auto) processed = strategy_.process_dataloader(loader, Stage::predict);
+  bool gathers = false;  // each rank predicted the batches dealt to it: gather them in order (loops/predict_gather.hpp)
+  if constexpr (data::SplittableLoader<std::remove_cvref_t<decltype(processed)>>) {
+    gathers = strategy_.world_size() > 1 && processed.split() == data::Split::whole_batches;
+  }
+  if (gathers && !detail::GatherableResult<R>) {
+    throw ConfigError("volt: predict on " + std::to_string(strategy_.world_size()) + " ranks gathers every rank's "
+                      "results, and predict_step's result type (" + c10::demangle(typeid(R).name()) + ") cannot cross "
+                      "processes: return a torch::Tensor, or a tuple, vector or dict of them.");
+  }
   const int64_t n = options_.limit_predict_batches.resolve(detail::loader_size(processed), "limit_predict_batches");
   num_eval_batches_ = n;
   Context ctx(state_, eval_store_);
@@ -131,6 +145,9 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader) {
     hook<detail::hooks::teardown>(module, ctx, Stage::predict);
   }
   if (was_training) module.train();
+  if (gathers) {
+    if constexpr (detail::GatherableResult<R>) results = detail::gather_dealt_results(std::move(results), strategy_);
+  }
   return results;
 }
 

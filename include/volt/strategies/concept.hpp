@@ -26,6 +26,7 @@
 /// | `reduce_boolean_decision(bool, bool all) -> bool` | all ranks agree (all: every rank true; else any) |
 /// | `barrier()` | every rank waits for the others |
 /// | `host_max(int) -> int` | the largest value over the ranks, reduced on the host (no device synchronisation): the stop-signal agreement at each training batch |
+/// | `host_all_gather(const std::string&) -> std::vector<std::string>` | every rank's bytes, in rank order, on every rank (predict's gathered results) |
 /// | `pre_backward(bool sync)`, `post_backward()` | around each backward; `sync` is true on the micro-batch that steps |
 /// | `teardown()` | after a run, also one that failed |
 ///
@@ -83,6 +84,7 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
   { s.reduce_boolean_decision(true, true) } -> std::convertible_to<bool>;
   s.barrier();
   { s.host_max(0) } -> std::convertible_to<int>;
+  { s.host_all_gather(std::string()) } -> std::convertible_to<std::vector<std::string>>;
   s.pre_backward(true);
   s.post_backward();
   s.teardown();
@@ -100,6 +102,8 @@ struct StrategyDefaults {
   void broadcast_(const torch::Tensor& /*t*/, int /*root*/ = 0) {}
   /// A world of one: its own value.
   int host_max(int value) { return value; }
+  /// A world of one: its own bytes.
+  std::vector<std::string> host_all_gather(const std::string& bytes) { return {bytes}; }
   void pre_backward(bool /*sync*/) {}
   void post_backward() {}
   void teardown() {}

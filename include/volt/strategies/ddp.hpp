@@ -4,8 +4,10 @@
 /// DistributedDataParallel.
 ///  - set-up: the module moves to the rank's device and rank 0's parameters and buffers are broadcast;
 ///  - data: `process_dataloader` shards a loader that offers `shard(rank, world_size)` (volt's loaders do:
-///    one seeded permutation per epoch shared by every rank, padded so every rank gets the same number of
-///    batches, as PyTorch's DistributedSampler); a loader without it is used as it is, and a note says so;
+///    for training one seeded permutation per epoch shared by every rank, padded so every rank gets the same
+///    number of batches, as PyTorch's DistributedSampler; for evaluation and prediction the one-process batches
+///    dealt out in turn, no sample twice, as Lightning's unrepeated sampler); a loader without it is used as it
+///    is, and a note says so;
 ///  - gradients: averaged across ranks by `detail::Reducer` (bucketed flat all-reduces started during
 ///    backward), only on the micro-batch that steps when gradients accumulate;
 ///  - logging with sync_dist, stop decisions and checkpoints follow the base strategy's collectives.
@@ -16,6 +18,7 @@
 ///   volt::Trainer<volt::DDP<volt::Script, volt::Mpi>, volt::Fp32, volt::CPU> cpu({.devices = 2});
 /// \endcode
 
+#include "volt/data/concept.hpp"
 #include "volt/strategies/reducer.hpp"
 #include "volt/launchers/script.hpp"
 #include "volt/launchers/spawn.hpp"
@@ -26,6 +29,7 @@
 
 #include <iostream>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -53,17 +57,28 @@ class DDP : public detail::ProcessGroupStrategy<L, B> {
     params_ = module.parameters();
   }
 
-  /// Shards loaders that can be sharded; the same per-epoch permutation on every rank.
+  /// Shards loaders that can be sharded: for training, one per-epoch permutation on every rank, padded; for
+  /// evaluation and prediction, the one-process batches dealt out in turn where the loader can (no sample twice,
+  /// so means are over the real samples and predict's gathered results are the one-process results).
   template <class Loader>
-  decltype(auto) process_dataloader(Loader&& loader, Stage /*stage*/) {
-    if constexpr (requires { loader.shard(0, 1); }) {
+  decltype(auto) process_dataloader(Loader&& loader, Stage stage) {
+    if constexpr (data::SplittableLoader<std::remove_cvref_t<Loader>>) {
+      const auto split = stage == Stage::train ? data::Split::padded_samples : data::Split::whole_batches;
+      auto shard = loader.shard(this->global_rank(), this->world_size(), split);
+      if (stage != Stage::train && stage != Stage::predict && loader.size() < this->world_size()) {
+        // Epoch means are reduced across ranks from what each logged: every rank needs a batch to log.
+        throw ConfigError("volt: the " + std::string(to_string(stage)) + " loader has " + std::to_string(loader.size()) +
+                          " batches for " + std::to_string(this->world_size()) + " ranks; each rank needs at least "
+                          "one: give it a smaller batch_size or run it on fewer ranks.");
+      }
+      return shard;
+    } else if constexpr (requires { loader.shard(0, 1); }) {
+      if (stage != Stage::train) warn_once("a loader without shard(rank, world_size, volt::data::Split) is split for "
+                                           "evaluation as for training: padded, so some samples count twice.");
       return loader.shard(this->global_rank(), this->world_size());
     } else {
-      if (!warned_ && this->is_global_zero() && this->world_size() > 1) {
-        warned_ = true;
-        std::cerr << "volt: DDP was given a loader without shard(rank, world_size); every rank iterates all of it. "
-                     "Shard it yourself, or use volt::data::TensorLoader.\n";
-      }
+      warn_once("DDP was given a loader without shard(rank, world_size); every rank iterates all of it. Shard it "
+                "yourself, or use volt::data's loaders.");
       return std::forward<Loader>(loader);
     }
   }
@@ -98,6 +113,12 @@ class DDP : public detail::ProcessGroupStrategy<L, B> {
   std::vector<std::vector<std::size_t>> bucket_layout() const { return reducer_ ? reducer_->bucket_layout() : layout_; }
 
  private:
+  void warn_once(const char* what) {
+    if (!warned_ && this->is_global_zero() && this->world_size() > 1) {
+      warned_ = true;
+      std::cerr << "volt: " << what << "\n";
+    }
+  }
   std::vector<torch::Tensor> params_;
   std::unique_ptr<detail::Reducer<B>> reducer_;
   std::vector<std::vector<std::size_t>> layout_;

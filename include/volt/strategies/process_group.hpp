@@ -19,6 +19,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace volt {
 
@@ -111,6 +112,11 @@ class ProcessGroupStrategy : public StrategyDefaults {
   int host_max(int value) {
     if (procs_.group == nullptr || procs_.world_size == 1) return value;
     return procs_.group->max_over_ranks(value);
+  }
+  /// Every rank's `bytes`, in rank order, through the launcher's MPI processes on the host.
+  std::vector<std::string> host_all_gather(const std::string& bytes) {
+    if (procs_.group == nullptr || procs_.world_size == 1) return {bytes};
+    return procs_.group->all_gather_bytes(bytes);
   }
 
   B& backend() {

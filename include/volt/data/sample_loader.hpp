@@ -1,0 +1,116 @@
+#pragma once
+/// \file
+/// `volt::data::SampleLoader<Dataset>`: a `StatefulLoader` over a data set read one sample at a time, the shape of
+/// data on disk (one file per sample, records in a few files) and of per-sample augmentation. The data set gives
+///
+/// | member | meaning |
+/// |---|---|
+/// | `int64_t size() const` | samples in it |
+/// | `Sample get(int64_t index, at::Generator& gen) const`, or `Sample get(int64_t index) const` | sample `index`, read and decoded; random augmentation draws from `gen` only |
+/// | `Batch collate(std::vector<Sample>&&) const` (optional) | the batch of samples; by default tensors are stacked, and `Example`s field by field |
+///
+/// `gen` is seeded by (loader seed, epoch, index) (data/fetch.hpp), so the augmented batches are the same for any
+/// `num_workers`, on any number of ranks and after a resume. `get` is `const` and runs on several worker threads at
+/// once: read, decode and transform without touching shared state. Between samples a worker checks whether its
+/// batch is still wanted, so stopping a pass waits for at most one sample's read per worker.
+/// \code
+///   struct Noisy {
+///     torch::Tensor x;
+///     int64_t size() const { return x.size(0); }
+///     torch::Tensor get(int64_t i, at::Generator& gen) const { return x[i] + 0.1 * torch::randn(x[i].sizes(), gen); }
+///   };
+///   volt::data::SampleLoader train(Noisy{x}, {.batch_size = 64, .shuffle = true, .num_workers = 2});
+/// \endcode
+
+#include "volt/data/stateful.hpp"
+
+#include <ATen/core/Generator.h>
+#include <torch/data/example.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace volt::data {
+
+namespace detail {
+template <class D>
+auto read_sample(const D& d, int64_t index, at::Generator& gen) {
+  if constexpr (requires { d.get(index, gen); }) {
+    return d.get(index, gen);
+  } else {
+    static_assert(requires { d.get(index); },
+                  "volt: a SampleLoader's data set needs `Sample get(int64_t index, at::Generator& gen) const` (or "
+                  "`get(int64_t index) const`) and `int64_t size() const`.");
+    return d.get(index);
+  }
+}
+
+/// Stacks tensors, and `Example`s field by field.
+template <class Sample>
+auto stack_samples(std::vector<Sample>&& samples) {
+  if constexpr (std::is_same_v<Sample, torch::Tensor>) {
+    return torch::stack(samples);
+  } else if constexpr (std::is_same_v<Sample, torch::data::Example<>>) {
+    std::vector<torch::Tensor> data, target;
+    data.reserve(samples.size());
+    target.reserve(samples.size());
+    for (auto& s : samples) {
+      data.push_back(std::move(s.data));
+      target.push_back(std::move(s.target));
+    }
+    return torch::data::Example<>{torch::stack(data), torch::stack(target)};
+  } else {
+    static_assert(std::is_same_v<Sample, torch::Tensor>,
+                  "volt: SampleLoader stacks samples that are torch::Tensor or torch::data::Example<>; give the data "
+                  "set a `collate(std::vector<Sample>&&) const` for other sample types.");
+    return samples;
+  }
+}
+}  // namespace detail
+
+template <class Dataset>
+class SampleLoader : public StatefulLoader<SampleLoader<Dataset>> {
+ public:
+  using Options = LoaderOptions;
+  using dataset_type = Dataset;
+
+  SampleLoader(Dataset dataset, Options options)
+      : StatefulLoader<SampleLoader<Dataset>>(options), dataset_(std::make_shared<const Dataset>(std::move(dataset))) {
+    size_ = static_cast<int64_t>(dataset_->size());
+  }
+
+  int64_t num_items() const { return size_; }
+  /// The batch of samples `idx`, each read with its own generator; stops between samples when asked.
+  auto fetch(const torch::Tensor& idx, const FetchContext& ctx) const {
+    const torch::Tensor contiguous = idx.to(torch::kLong).contiguous();
+    const int64_t* p = contiguous.data_ptr<int64_t>();
+    using Sample = decltype(read_one(int64_t{}, ctx));
+    std::vector<Sample> samples;
+    samples.reserve(static_cast<std::size_t>(contiguous.numel()));
+    for (int64_t i = 0; i < contiguous.numel(); ++i) {
+      ctx.check_stop();
+      samples.push_back(read_one(p[i], ctx));
+    }
+    if constexpr (requires { dataset_->collate(std::move(samples)); }) {
+      return dataset_->collate(std::move(samples));
+    } else {
+      return detail::stack_samples(std::move(samples));
+    }
+  }
+  const Dataset& dataset() const { return *dataset_; }
+
+ private:
+  auto read_one(int64_t index, const FetchContext& ctx) const {
+    at::Generator gen = ctx.generator(index);
+    return detail::read_sample(*dataset_, index, gen);
+  }
+
+  std::shared_ptr<const Dataset> dataset_;
+  int64_t size_ = 0;
+};
+
+}  // namespace volt::data

@@ -62,7 +62,7 @@ struct TorchPngs : torch::data::datasets::Dataset<TorchPngs> {
 template <class L>
 int64_t drain(L& loader) {
   int64_t samples = 0;
-  for (auto& batch : loader) samples += batch.data.size(0);
+  for (auto&& batch : loader) samples += batch.data.size(0);
   return samples;
 }
 

@@ -53,7 +53,7 @@ void write_files(const fs::path& dir, int64_t files) {
 struct TorchPngs : torch::data::datasets::Dataset<TorchPngs> {
   std::shared_ptr<const volt::data::ImageFolder> folder;
   torch::data::Example<> get(size_t i) override {
-    at::Generator unused = volt::data::sample_generator(0, 0, 0);
+    at::Generator unused;  // no transform: the generator is not used
     return folder->get(static_cast<int64_t>(i), unused);
   }
   torch::optional<size_t> size() const override { return static_cast<size_t>(folder->size()); }

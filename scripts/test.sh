@@ -6,16 +6,19 @@
 #               virtual environment once), in build-torch2.11/. Needs the CUDA toolkit (nvcc) to configure.
 # --sanitize:   the unit, trainer, manual, loader, checkpoint and optim tests built with AddressSanitizer and
 #               UndefinedBehaviorSanitizer (in build-sanitize/, or build-sanitize-torch<lane>/), and only those run.
+# --tsan:       the loader tests (worker threads) built with ThreadSanitizer (in build-tsan/), and only those run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lane=1.13
 sanitize=0
+tsan=0
 ctest_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --torch) lane=$2; shift 2 ;;
     --torch=*) lane=${1#--torch=}; shift ;;
     --sanitize) sanitize=1; shift ;;
+    --tsan) tsan=1; shift ;;
     *) ctest_args+=("$1"); shift ;;
   esac
 done
@@ -32,6 +35,16 @@ else
   torch_dir=$(bash scripts/install-torch.sh "$lane")
   build=build-torch$lane
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir"
+fi
+if [ "$tsan" = 1 ]; then
+  tbuild=build-tsan${build#build}
+  cmake -S . -B "$tbuild" -DCMAKE_BUILD_TYPE=Release -DVOLT_SANITIZE_THREAD=ON -DVOLT_BUILD_BENCH=OFF \
+        -DVOLT_BUILD_EXAMPLES=OFF ${torch_dir:+-DCMAKE_PREFIX_PATH="$torch_dir"}
+  cmake --build "$tbuild" -j2 --target volt_tests
+  # LibTorch is not instrumented: races inside it are not seen, and its OpenMP threads are not used by the loader
+  # tests' worker code; halt on the first report.
+  TSAN_OPTIONS=halt_on_error=1 ctest --test-dir "$tbuild" --output-on-failure -R '^loader$' ${ctest_args[@]+"${ctest_args[@]}"}
+  exit
 fi
 if [ "$sanitize" = 1 ]; then
   sbuild=build-sanitize${build#build}

@@ -395,6 +395,34 @@ TEST_CASE("a sample that fails to read ends the pass at its batch with a LoaderE
   }
 }
 
+namespace {
+struct ImageNetImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  ImageNetImpl() { lin = register_module("lin", torch::nn::Linear(48, 1)); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    return lin(b.data.flatten(1)).pow(2).mean();
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(1e-4)); }
+};
+TORCH_MODULE(ImageNet);
+}  // namespace
+
+TEST_CASE("a worker's failed read ends the fit with its message; the checkpoint before it is kept", "[loader][data]") {
+  const std::string dir = scratch("loader_failure").string();
+  AugmentedImages images;
+  images.bad = 45;  // epoch 1 (61 samples, batches of 4, shuffled): some batch of it
+  volt::data::SampleLoader loader(images, {.batch_size = 4, .shuffle = true, .seed = 2, .num_workers = 3});
+  ImageNet net;
+  auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
+      {.max_epochs = 2, .default_root_dir = dir}, volt::ModelCheckpoint({.dirpath = dir + "/ckpt", .save_top_k = 0, .save_last = true, .every_n_train_steps = 1}));
+  CHECK_THROWS_WITH(trainer.fit(net, loader), Contains("of epoch 0") && Contains("on loader worker") &&
+                                                   Contains("cannot decode sample 45"));
+  // The last checkpoint is the step before the failing batch, whole.
+  const int64_t step = volt::checkpoint::read(dir + "/ckpt/last.ckpt").at("loops").toGenericDict().at("global_step").toInt();
+  CHECK(step == trainer.global_step());
+  CHECK(step < 16);
+}
+
 TEST_CASE("a pass with workers stops within one sample's read when it ends early", "[loader][data]") {
   AugmentedImages images;
   images.sleep = std::chrono::milliseconds(300);  // 8 samples a batch: 2.4 s to read a whole batch
@@ -408,6 +436,40 @@ TEST_CASE("a pass with workers stops within one sample's read when it ends early
   CHECK(seconds < 1.5);  // one sample (0.3 s) per worker, not a batch (2.4 s)
 }
 
+TEST_CASE("a data set that draws nothing gets no seeded generator", "[loader][data]") {
+  struct Plain {
+    bool draws = false;
+    int64_t size() const { return 6; }
+    bool draws_random() const { return draws; }
+    torch::Tensor get(int64_t i, at::Generator& gen) const {
+      return torch::tensor({static_cast<double>(i), gen.defined() ? 1.0 : 0.0});
+    }
+  };
+  for (const bool draws : {false, true}) {
+    volt::data::SampleLoader loader(Plain{draws}, {.batch_size = 3, .num_workers = 2});
+    for (auto&& b : loader) CHECK(torch::equal(b.select(1, 1).to(torch::kDouble), torch::full({3}, draws ? 1.0 : 0.0, torch::kDouble)));
+  }
+}
+
+TEST_CASE("worker threads run LibTorch's operations on one thread", "[loader][data]") {
+  struct Threads {
+    int64_t size() const { return 4; }
+    torch::Tensor get(int64_t) const {
+      (void)torch::ones({1 << 16}).sum();  // a kernel first: LibTorch sets a new thread up at its first one
+      return torch::tensor({static_cast<int64_t>(at::get_num_threads())});
+    }
+  };
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  volt::data::SampleLoader loader(Threads{}, {.batch_size = 2, .num_workers = 2});
+  std::vector<int64_t> seen;
+  for (auto&& b : loader) seen.insert(seen.end(), b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + b.numel());
+  const int after = at::get_num_threads();
+  at::set_num_threads(before);
+  CHECK(seen == std::vector<int64_t>{1, 1, 1, 1});
+  CHECK(after == 2);  // the training thread keeps its own
+}
+
 TEST_CASE("loader options are checked", "[loader][data]") {
   CHECK_THROWS_WITH(index_loader(4, {.num_workers = -1}), Contains("num_workers=-1 is not allowed: give a number >= 0"));
   CHECK_THROWS_WITH(index_loader(4, {.prefetch_factor = 0}), Contains("prefetch_factor=0 is not allowed"));
@@ -418,16 +480,6 @@ TEST_CASE("loader options are checked", "[loader][data]") {
 }
 
 namespace {
-struct ImageNetImpl : torch::nn::Module {
-  torch::nn::Linear lin{nullptr};
-  ImageNetImpl() { lin = register_module("lin", torch::nn::Linear(48, 1)); }
-  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
-    return lin(b.data.flatten(1)).pow(2).mean();
-  }
-  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(1e-4)); }
-};
-TORCH_MODULE(ImageNet);
-
 /// Sends SIGTERM to this process `after` the end of training batch `batch`, from another thread, once.
 struct TermAfterBatch {
   int64_t batch;

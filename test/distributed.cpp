@@ -5,7 +5,8 @@
 //   distributed fit <script|spawn> [--accumulate K]   DDP weights == a one-process loop on the same global batches
 //   distributed indices <script|spawn> N              every sample seen once per epoch across ranks
 //   distributed metrics                               sync_dist values, stop decisions, all_gather/broadcast
-//   distributed predict <script|spawn> WORLD          predict and validate on 1001 samples == a hand-written loop
+//   distributed predict <script|spawn> WORLD          predict (gathered, and written by PredictionWriter) and validate
+//                                                     on 1001 samples == a hand-written loop
 //   distributed fail <script|spawn> RANK STEP         rank RANK throws at step STEP (the job must end)
 //   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
 //                                                     with MESSAGE in its output and leaves no process behind
@@ -328,15 +329,40 @@ struct PredictNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(PredictNet);
 
+/// The PredictionWriter's files of `world` ranks in `dir` hold every sample's prediction once, equal to `want`'s row.
+void check_written(const std::string& dir, int world, const torch::Tensor& want) {
+  std::vector<int> seen(static_cast<std::size_t>(want.size(0)), 0);
+  for (int r = 0; r < world; ++r) {
+    const auto d = volt::checkpoint::read(dir + "/predictions_rank" + std::to_string(r) + ".pt");
+    const auto preds = d.at("predictions").toList(), indices = d.at("batch_indices").toList();
+    check(preds.size() == indices.size() && d.at("world_size").toInt() == world, "rank " + std::to_string(r) + "'s file");
+    for (std::size_t b = 0; b < std::min(preds.size(), indices.size()); ++b) {
+      const torch::Tensor p = preds.get(b).toTensor(), idx = indices.get(b).toTensor();
+      for (int64_t j = 0; j < idx.size(0); ++j) {
+        const int64_t i = idx[j].item<int64_t>();
+        ++seen[static_cast<std::size_t>(i)];
+        if (!torch::equal(p[j], want[i])) check(false, "the written prediction of sample " + std::to_string(i));
+      }
+    }
+  }
+  check(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }), "every sample written once");
+}
+
 template <class L>
 int predict_scenario(int world) {
   constexpr int64_t n = 1001, batch = 10;
   auto [x, y] = data(n);
   PredictNet net;
-  volt::Trainer<volt::DDP<L>> trainer({.devices = world});
+  const std::string dir = (std::filesystem::temp_directory_path() / ("volt_predict_" + std::string(std::is_same_v<L, volt::Spawn> ? "spawn" : "script") +
+                                                                     std::to_string(world))).string();
+  auto trainer = volt::make_trainer<volt::DDP<L>, volt::Fp32, volt::CPU>(
+      {.devices = world}, volt::PredictionWriter({.dirpath = dir}));
   volt::data::TensorLoader loader(x, y, {.batch_size = batch});
   const std::vector<torch::Tensor> got = trainer.predict(net, loader);
   const auto metrics = trainer.validate(net, loader);
+  // The same predictions written by each rank with their samples' indices, none kept.
+  check(trainer.predict(net, loader, /*return_predictions=*/false).empty(), "return_predictions=false keeps none");
+  trainer.strategy().barrier();
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> want;
   for (int64_t start = 0; start < n; start += batch) want.push_back(net->lin(x.narrow(0, start, std::min(batch, n - start))));
@@ -349,13 +375,14 @@ int predict_scenario(int world) {
       break;
     }
   }
+  if (trainer.is_global_zero()) check_written(dir, trainer.strategy().world_size(), torch::cat(want));
   check(metrics.at("val_count") == static_cast<double>(n), "validation counted " + std::to_string(metrics.at("val_count")) +
                                                                " samples of " + std::to_string(n));
   check(std::abs(metrics.at("val_loss") - mean) <= 1e-6 * std::abs(mean),
         "validation mean " + std::to_string(metrics.at("val_loss")) + " vs " + std::to_string(mean) + " over the samples");
   if (failures == 0 && trainer.is_global_zero()) {
     std::cout << "predict: " << got.size() << " batches in order on " << trainer.strategy().world_size() << " ranks; validation mean over "
-              << n << " samples matches" << std::endl;
+              << n << " samples matches; the PredictionWriter's files hold every sample once" << std::endl;
   }
   return failures == 0 ? 0 : 1;
 }

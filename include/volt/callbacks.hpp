@@ -6,3 +6,4 @@
 #include "volt/callbacks/learning_rate_monitor.hpp"
 #include "volt/callbacks/model_checkpoint.hpp"
 #include "volt/callbacks/progress_bar.hpp"
+#include "volt/callbacks/prediction_writer.hpp"

@@ -154,16 +154,18 @@ class Trainer {
     });
   }
 
-  /// Runs predict_step on every batch (up to limit_predict_batches) and returns the results in order.
+  /// Runs predict_step on every batch (up to limit_predict_batches) and returns the results in order (across
+  /// ranks: gathered, loops/predict_gather.hpp); `return_predictions = false` keeps none (a PredictionWriter writes them).
   template <class M, class Loader>
-  auto predict(M& module, Loader&& loader) {
+  auto predict(M& module, Loader&& loader, bool return_predictions = true) {
     using Batch = detail::batch_t<Loader>;
     static_assert(requires(module_impl_t<M>& m, Batch& b, Context& c) { m.predict_step(b, c); },
                   "volt: predict needs the module's predict_step(const Batch&, volt::Context&) returning a result "
                   "for this loader's batches.");
     using R = std::remove_cvref_t<decltype(std::declval<module_impl_t<M>&>().predict_step(
         std::declval<Batch&>(), std::declval<Context&>()))>;
-    return strategy_.launch([&] { return run_predict<R>(detail::unwrap(module), detail::deref_loader(loader)); });
+    return strategy_.launch(
+        [&] { return run_predict<R>(detail::unwrap(module), detail::deref_loader(loader), return_predictions); });
   }
 
   // ---- what callbacks and callers read (callbacks/concept.hpp lists it for callback authors) --------
@@ -176,6 +178,8 @@ class Trainer {
   int64_t global_step() const { return state_.global_step; }
   /// The batch index within the running loop.
   int64_t batch_idx() const { return state_.batch_idx; }
+  /// The data set indices of the batch `predict` is at (undefined where its loader cannot tell).
+  torch::Tensor batch_indices() const { return batch_indices_ ? batch_indices_(state_.batch_idx) : torch::Tensor(); }
   /// The running loop (train, sanity_check, validate, test, predict).
   Stage stage() const { return state_.stage; }
   /// Whether the short validation run before training is running.
@@ -304,7 +308,7 @@ class Trainer {
   template <class Kind, class Impl, class L>
   std::map<std::string, double> run_standalone_eval(Impl& module, L& loader, Stage stage);
   template <class R, class Impl, class L>
-  std::vector<R> run_predict(Impl& module, L& loader);
+  std::vector<R> run_predict(Impl& module, L& loader, bool keep);
 
   // ---- checkpoints (connectors/checkpoint_impl.hpp) ----
   at::Tensor gather_ranks(const at::Tensor& t);
@@ -348,6 +352,7 @@ class Trainer {
   int64_t num_val_batches_ = 0;
   /// Batches of the running (or last) evaluation run.
   int64_t num_eval_batches_ = 0;
+  std::function<torch::Tensor(int64_t)> batch_indices_;  // set while predict runs
   /// Training batches between validations (-1: at the epoch's end).
   int64_t val_check_batch_ = -1;
   /// Batch counters, where the loop stands inside an epoch, and the stop request.

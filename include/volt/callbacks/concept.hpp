@@ -40,6 +40,7 @@
 /// |---|---|
 /// | `options()` | the `TrainerOptions` in effect (fast_dev_run applied): `default_root_dir`, limits, ... |
 /// | `current_epoch()`, `global_step()`, `batch_idx()`, `stage()`, `sanity_checking()` | where the loops stand |
+/// | `batch_indices()` | during `predict`: the data set indices of the batch's samples (volt's loaders; undefined for others) |
 /// | `max_epochs()`, `max_steps()`, `num_training_batches()`, `num_eval_batches()` | the run's extent (-1: until the loader ends) |
 /// | `fitting()`, `fast_dev_run()`, `has_validation()`, `is_global_zero()` | what kind of run this is, and whether this process is rank zero |
 /// | `validation_has_run()` | a validation run of this fit has ended (a validation metric can be there) |

@@ -89,10 +89,12 @@ class ImageFolder {
   int64_t size() const { return static_cast<int64_t>(samples_.size()); }
   /// Class names, in the order of their target index.
   const std::vector<std::string>& classes() const { return classes_; }
+  /// Only a transform draws random numbers: without one, SampleLoader does not seed a generator per sample.
+  bool draws_random() const { return static_cast<bool>(transform_); }
   /// The file of sample `index`.
   const std::string& path(int64_t index) const { return samples_.at(static_cast<std::size_t>(index)).first; }
 
-  /// Image `index` as float [C, H, W] in [0, 1] (transformed) and its class index.
+  /// Image `index` as float [C, H, W] in [0, 1] (transformed, drawing from `gen`) and its class index.
   torch::data::Example<> get(int64_t index, at::Generator& gen) const {
     const auto& [file, label] = samples_.at(static_cast<std::size_t>(index));
     torch::Tensor image = read_png(file, options_.channels).to(torch::kFloat32).div_(255.0);

@@ -214,9 +214,9 @@ class StatefulLoader {
     return sequence(epoch, from);
   }
 
-  /// The dataset indices of this rank's batch `batch` in the next pass.
+  /// The data set indices of this rank's batch `batch` in the pass under way or last begun (before any, the next).
   torch::Tensor batch_indices(int64_t batch) const {
-    const auto [epoch, from] = next_pass();
+    const auto [epoch, from] = passing_ && !resume_pending_ ? std::pair<int64_t, int64_t>{epoch_, start_} : next_pass();
     const auto [offset, length] = span(from, batch);
     return identity() ? torch::arange(from + offset, from + offset + length, torch::kLong)
                       : sequence(epoch, from).narrow(0, offset, length);

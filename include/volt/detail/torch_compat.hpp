@@ -127,11 +127,12 @@ void fused_sgd(A&&... args) {
 inline void cuda_synchronize(int64_t device_index) { torch::cuda::synchronize(device_index); }
 
 /// Makes LibTorch's operations on the calling thread run single-threaded (a loader worker's): its OpenMP team is
-/// set to one thread after LibTorch's own per-thread set-up, which would otherwise reset it. The OpenMP runtime is
-/// the one LibTorch loaded (found at run time: pip's LibTorch carries a renamed libgomp), so volt links none.
-/// Nothing happens where LibTorch runs without OpenMP.
+/// set to one thread after LibTorch's own per-thread set-up, which would otherwise reset it at the thread's first
+/// kernel. That set-up runs inside LibTorch's library through `at::get_num_threads()` (the inline
+/// `at::internal::lazy_init_num_threads` compiled here is another copy on LibTorch 2.x). The OpenMP runtime is the
+/// one LibTorch loaded, found at run time, so volt links none. Nothing happens where LibTorch runs without OpenMP.
 inline void serial_intra_op_in_this_thread() {
-  at::internal::lazy_init_num_threads();
+  (void)at::get_num_threads();
   using SetThreads = void (*)(int);
   static const auto set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
   if (set != nullptr) set(1);

@@ -7,11 +7,9 @@
 #include "volt/loops/predict_gather.hpp"
 
 #include <c10/core/InferenceMode.h>
-#include <c10/util/Type.h>
 #include <torch/utils.h>
 
 #include <optional>
-#include <typeinfo>
 
 namespace volt {
 namespace detail {
@@ -114,31 +112,31 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl&
 /// rank's results gathered back into the loader's order.
 template <class S, class P, class A, class... Cs>
 template <class R, class Impl, class L>
-std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader) {
+std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, bool keep) {
   reset_state_keeping_progress();
   setup_run(module);
   state_.stage = Stage::predict;
   decltype(auto) processed = strategy_.process_dataloader(loader, Stage::predict);
-  bool gathers = false;  // each rank predicted the batches dealt to it: gather them in order (loops/predict_gather.hpp)
-  if constexpr (data::SplittableLoader<std::remove_cvref_t<decltype(processed)>>) {
-    gathers = strategy_.world_size() > 1 && processed.split() == data::Split::whole_batches;
-  }
-  if (gathers && !detail::GatherableResult<R>) {
-    throw ConfigError("volt: predict on " + std::to_string(strategy_.world_size()) + " ranks gathers every rank's "
-                      "results, and predict_step's result type (" + c10::demangle(typeid(R).name()) + ") cannot cross "
-                      "processes: return a torch::Tensor, or a tuple, vector or dict of them.");
-  }
+  const bool gathers = keep && detail::predict_gathers<R>(processed, strategy_.world_size());
   const int64_t n = options_.limit_predict_batches.resolve(detail::loader_size(processed), "limit_predict_batches");
   num_eval_batches_ = n;
+  if constexpr (requires { processed.batch_indices(int64_t{}); }) {
+    batch_indices_ = [&processed](int64_t b) { return processed.batch_indices(b); };
+  }
+  struct Forget {  // the indices reader refers to this run's loader
+    std::function<torch::Tensor(int64_t)>& f;
+    ~Forget() { f = nullptr; }
+  } forget{batch_indices_};
   Context ctx(state_, eval_store_);
   std::vector<R> results;
-  if (n > 0) results.reserve(static_cast<std::size_t>(n));
+  if (keep && n > 0) results.reserve(static_cast<std::size_t>(n));
   const bool was_training = module.is_training();
   module.eval();
   {
     detail::EvalGradGuard no_grad(options_.inference_mode);
     hook<detail::hooks::setup>(module, ctx, Stage::predict);
     eval_epoch<detail::PredictKind>(module, ctx, processed, n, Stage::predict, [&](R& out) -> R& {
+      if (!keep) return out;
       results.push_back(std::move(out));
       return results.back();
     });

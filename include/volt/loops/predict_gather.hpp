@@ -10,13 +10,16 @@
 /// holds (tuples, vectors and dicts of tensors, numbers, strings). Gathered tensors are on the CPU.
 
 #include "volt/batch.hpp"
+#include "volt/data/concept.hpp"
 #include "volt/errors.hpp"
 
 #include <ATen/core/ivalue.h>
+#include <c10/util/Type.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/serialize.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <typeinfo>
 #include <utility>
@@ -30,6 +33,21 @@ concept GatherableResult = requires(const R& r, const c10::IValue& v) {
   c10::IValue(r);
   v.to<R>();
 };
+
+/// Whether predict's results on `world_size` ranks are gathered: each rank predicted the batches dealt to it
+/// (data::Split::whole_batches). Throws a ConfigError, before anything runs, where they cannot cross processes.
+template <class R, class L>
+bool predict_gathers(const L& processed, int world_size) {
+  bool gathers = false;
+  if constexpr (data::SplittableLoader<L>) gathers = world_size > 1 && processed.split() == data::Split::whole_batches;
+  if (gathers && !GatherableResult<R>) {
+    throw ConfigError("volt: predict on " + std::to_string(world_size) + " ranks gathers every rank's results, and "
+                      "predict_step's result type (" + c10::demangle(typeid(R).name()) + ") cannot cross processes: "
+                      "return a torch::Tensor, or a tuple, vector or dict of them, or pass return_predictions = false "
+                      "and write them with a callback.");
+  }
+  return gathers;
+}
 
 /// Every rank's `mine` (the results of the batches dealt to it), in the one-process batch order, on every rank.
 template <class R, class S>

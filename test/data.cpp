@@ -323,6 +323,46 @@ TEST_CASE("workers deliver the synchronous loader's batches, bitwise, on 1 and 2
   }
 }
 
+TEST_CASE("an iterator with workers may skip batches unread, as a resume without a position does", "[loader][data]") {
+  const volt::data::LoaderOptions sync{.batch_size = 4, .shuffle = true, .seed = 5};
+  auto reference = volt::data::SampleLoader(AugmentedImages{}, sync);
+  const auto all = epoch_batches(reference, 0);
+  auto o = sync;
+  o.num_workers = 3;
+  volt::data::SampleLoader loader(AugmentedImages{}, o);
+  auto it = loader.begin();
+  for (int i = 0; i < 7; ++i) ++it;  // more than the batches in flight (3 x 2)
+  std::vector<torch::data::Example<>> rest;
+  for (; it != loader.end(); ++it) rest.push_back(*it);
+  CHECK(same_batches(rest, std::vector<torch::data::Example<>>(all.begin() + 7, all.end())));
+}
+
+TEST_CASE("an evaluation shard deals every batch of one order, pass after pass", "[loader][data]") {
+  const volt::data::LoaderOptions o{.batch_size = 4, .shuffle = true, .seed = 5};
+  auto whole = volt::data::SampleLoader(AugmentedImages{}, o);
+  const auto all = epoch_batches(whole, 0);  // 16 batches, the last of 1 sample
+  for (const int world : {2, 3}) {
+    for (int rank = 0; rank < world; ++rank) {
+      auto shard = whole.shard(rank, world, volt::data::Split::whole_batches);
+      for (int pass = 0; pass < 2; ++pass) {  // a partial pass (the sanity check's) first, then whole ones
+        std::vector<torch::data::Example<>> got;
+        for (auto it = shard.begin(); it != shard.end(); ++it) {
+          got.push_back(*it);
+          if (pass == 0 && got.size() == 5) break;
+        }
+        std::vector<torch::data::Example<>> want;
+        for (std::size_t k = static_cast<std::size_t>(rank); k < all.size(); k += static_cast<std::size_t>(world)) {
+          if (pass == 0 && want.size() == 5) break;
+          want.push_back(all[k]);
+        }
+        INFO("world " << world << " rank " << rank << " pass " << pass);
+        CHECK(same_batches(got, want));
+        CHECK(shard.size() == static_cast<int64_t>((all.size() - rank + world - 1) / world));
+      }
+    }
+  }
+}
+
 TEST_CASE("augmentation draws from a generator seeded by (seed, epoch, sample): equal for any worker count and "
           "after a resume", "[loader][data]") {
   const AugmentedImages images;

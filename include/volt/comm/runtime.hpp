@@ -230,8 +230,8 @@ class MpiGroup {
       total += sizes[r];
     }
     std::string all(static_cast<std::size_t>(total), '\0');
-    mpi_check(MPI_Iallgatherv(bytes.data(), static_cast<int>(mine), MPI_CHAR, all.data(), counts.data(), displs.data(),
-                              MPI_CHAR, work_, &request),
+    mpi_check(MPI_Iallgatherv(bytes.data(), static_cast<int>(mine), MPI_BYTE, all.data(), counts.data(), displs.data(),
+                              MPI_BYTE, work_, &request),
               "MPI_Iallgatherv");
     wait(request);
     std::vector<std::string> out;

@@ -52,6 +52,7 @@ class DatasetLoader : public StatefulLoader<DatasetLoader<Dataset>> {
     const bool own = ctx.worker >= 0 && static_cast<std::size_t>(ctx.worker) < copies_.size();
     return (own ? copies_[static_cast<std::size_t>(ctx.worker)] : dataset_)->get_batch(indices);
   }
+  auto fetch(const torch::Tensor& idx) const { return fetch(idx, FetchContext{}); }
   Dataset& dataset() { return *dataset_; }
 
  private:

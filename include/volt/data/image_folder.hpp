@@ -42,7 +42,13 @@ inline torch::Tensor read_png(const std::string& path, int channels) {
     throw std::runtime_error("volt: cannot read the PNG " + path + ": " + image.message);
   }
   image.format = channels == 1 ? PNG_FORMAT_GRAY : PNG_FORMAT_RGB;
-  torch::Tensor hwc = torch::empty({image.height, image.width, channels}, torch::kUInt8);
+  torch::Tensor hwc;
+  try {
+    hwc = torch::empty({image.height, image.width, channels}, torch::kUInt8);
+  } catch (...) {
+    png_image_free(&image);  // closes the file
+    throw;
+  }
   if (png_image_finish_read(&image, nullptr, hwc.data_ptr<uint8_t>(), 0, nullptr) == 0) {
     const std::string why = image.message;
     png_image_free(&image);

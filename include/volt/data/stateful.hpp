@@ -330,6 +330,7 @@ class StatefulLoader {
 
   // The epoch and position the next begin() starts from.
   std::pair<int64_t, int64_t> next_pass() const {
+    if (dealt()) return {epoch_, 0};  // every rank's evaluation pass deals from the same order
     if (resume_pending_) {
       if (start_ >= dataset_size()) return {epoch_ + 1, 0};
       return {epoch_, start_};

@@ -59,23 +59,27 @@ class Prefetcher {
   Prefetcher& operator=(const Prefetcher&) = delete;
   ~Prefetcher() { shut_down(); }
 
-  /// Batch `b` (the next in order), waiting for it; rethrows the exception its fetch threw.
+  /// Batch `b`, waiting for it; rethrows the exception its fetch threw. Batches before `b` that were never taken
+  /// (an iterator incremented without being read, as when a resume skips batches) are dropped unread.
   T take(int64_t b) {
     std::unique_lock lock(mutex_);
-    if (b != next_take_) {
+    if (b < next_take_) {
       throw std::logic_error("volt: a loader iterator with workers hands out each batch once and in order: batch " +
-                             std::to_string(b) + " was asked for while batch " + std::to_string(next_take_) +
-                             " is next (dereference an iterator once per increment).");
+                             std::to_string(b) + " was asked for again after batch " + std::to_string(next_take_ - 1) +
+                             " (dereference an iterator once per increment).");
     }
-    Slot& slot = slots_[index(b)];
-    produced_.wait(lock, [&] { return slot.full; });
-    Slot out = std::move(slot);
-    slot = Slot{};
-    ++next_take_;
-    lock.unlock();
-    space_.notify_all();
-    if (out.error) std::rethrow_exception(out.error);
-    return std::move(*out.value);
+    for (;;) {
+      Slot& slot = slots_[index(next_take_)];
+      produced_.wait(lock, [&] { return slot.full; });
+      Slot out = std::move(slot);
+      slot = Slot{};
+      const bool wanted = next_take_++ == b;
+      space_.notify_all();
+      if (!wanted) continue;
+      lock.unlock();
+      if (out.error) std::rethrow_exception(out.error);
+      return std::move(*out.value);
+    }
   }
 
  private:
@@ -101,7 +105,8 @@ class Prefetcher {
       try {
         slot.value.emplace(fetch_(b, ctx));
       } catch (const FetchStopped&) {
-        return;
+        if (stopping()) return;  // not wanted any more; otherwise it is the batch's error like any other
+        slot.error = std::current_exception();
       } catch (...) {
         slot.error = std::current_exception();
       }

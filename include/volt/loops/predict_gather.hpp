@@ -7,7 +7,11 @@
 /// large to hold W times are for a callback's `on_predict_batch_end` to write as they come.
 ///
 /// A result crosses processes as LibTorch pickles it (`torch::pickle_save`): a tensor, or anything `c10::IValue`
-/// holds (tuples, vectors and dicts of tensors, numbers, strings). Gathered tensors are on the CPU.
+/// holds (tuples, vectors and dicts of tensors, numbers, strings). Gathered tensors are on the CPU (results volt
+/// cannot look inside, see volt/batch.hpp, are pickled as they are: keep their tensors on the CPU).
+///
+/// With `limit_predict_batches` = L, each rank predicts its first L dealt batches: the first L * W batches of the
+/// one-process order (fewer where the loader ends first).
 
 #include "volt/batch.hpp"
 #include "volt/data/concept.hpp"
@@ -69,6 +73,7 @@ std::vector<R> gather_dealt_results(std::vector<R>&& mine, S& strategy) {
     total += per_rank.back().size();
   }
   const std::size_t world = per_rank.size();
+  if (world == 0) throw std::logic_error("volt: predict's gather returned no rank's results.");
   std::vector<R> out;
   out.reserve(total);
   for (std::size_t k = 0; k < total; ++k) {

@@ -217,9 +217,7 @@ class StatefulLoader {
   /// The data set indices of this rank's batch `batch` in the pass under way or last begun (before any, the next).
   torch::Tensor batch_indices(int64_t batch) const {
     const auto [epoch, from] = passing_ && !resume_pending_ ? std::pair<int64_t, int64_t>{epoch_, start_} : next_pass();
-    const auto [offset, length] = span(from, batch);
-    return identity() ? torch::arange(from + offset, from + offset + length, torch::kLong)
-                      : sequence(epoch, from).narrow(0, offset, length);
+    return indices(batch, from, identity() ? torch::Tensor() : sequence(epoch, from));
   }
 
   template <bool Records>
@@ -377,25 +375,26 @@ class StatefulLoader {
     return ctx;
   }
 
+  // The data set indices of batch `b` of a pass from `from` reading `seq` (undefined: the identity order).
+  torch::Tensor indices(int64_t b, int64_t from, const torch::Tensor& seq) const {
+    const auto [offset, length] = span(from, b);
+    return seq.defined() ? seq.narrow(0, offset, length)
+                         : torch::arange(from + offset, from + offset + length, torch::kLong);
+  }
+
   // Batch `b` of a pass from `from`: the derived class's fetch, its failure named, pinned when asked.
   auto fetch_batch(int64_t b, int64_t from, const torch::Tensor& seq, const FetchContext& ctx) const {
-    const auto [offset, length] = span(from, b);
-    torch::Tensor idx;
     try {
-      if (!seq.defined()) {
-        if constexpr (requires { derived().fetch_range(int64_t{}, int64_t{}); }) {
+      if constexpr (requires { derived().fetch_range(int64_t{}, int64_t{}); }) {
+        if (!seq.defined()) {
+          const auto [offset, length] = span(from, b);
           return pinned(derived().fetch_range(from + offset, length));
         }
-        idx = torch::arange(from + offset, from + offset + length, torch::kLong);
-      } else {
-        idx = seq.narrow(0, offset, length);
       }
-      return pinned(detail::fetched(derived(), idx, ctx));
+      return pinned(detail::fetched(derived(), indices(b, from, seq), ctx));
     } catch (const FetchStopped&) {
       throw;
     } catch (...) {
-      if (!idx.defined()) idx = torch::arange(from + offset, from + offset + length, torch::kLong);
-      std::string where = ctx.worker >= 0 ? " on loader worker " + std::to_string(ctx.worker) : "";
       std::string what = "unknown exception";
       try {
         throw;
@@ -403,9 +402,11 @@ class StatefulLoader {
         what = e.what();
       } catch (...) {
       }
+      const std::string where = ctx.worker >= 0 ? " on loader worker " + std::to_string(ctx.worker) : "";
       std::throw_with_nested(LoaderError("volt: reading batch " + std::to_string(b) + " of epoch " +
-                                         std::to_string(ctx.epoch) + " (samples " + detail::describe_indices(idx) +
-                                         ")" + where + " failed: " + what));
+                                         std::to_string(ctx.epoch) + " (samples " +
+                                         detail::describe_indices(indices(b, from, seq)) + ")" + where +
+                                         " failed: " + what));
     }
   }
 

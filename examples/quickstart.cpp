@@ -1,6 +1,7 @@
 // Quick start: a small CNN on Fashion-MNIST with volt's Trainer.
 //   quickstart [--device auto|cpu|cuda] [--epochs N] [--fast-dev-run] [--resume] [--data-dir DIR] [--out DIR]
-// Trains, validates on the test split each epoch, shows a progress bar, writes metrics.csv, keeps the best
+// Prints the model's summary, trains, validates on the test split each epoch, shows a progress bar, writes metrics.csv
+// and TensorBoard event files (with the hyper-parameters and samples/s) into DIR/volt_logs/version_N, keeps the best
 // checkpoint by validation accuracy and last.ckpt in DIR/checkpoints, and prints the training time and the final
 // test accuracy. --resume continues from DIR/checkpoints/last.ckpt (an interrupted run goes on where it stopped).
 // --device auto (the default) trains on the GPU with bfloat16 mixed precision when CUDA sees one, and on the CPU in
@@ -14,6 +15,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <string>
 
@@ -39,7 +41,10 @@ int train(const Args& args) {
   auto trainer = volt::make_trainer<volt::SingleDevice, Precision, Accelerator>(
       {.max_epochs = args.epochs, .fast_dev_run = args.fast_dev_run, .seed = 42, .log_every_n_steps = 50,
        .default_root_dir = args.out_dir},
-      volt::ProgressBar{}, volt::CSVLogger{}, volt::LearningRateMonitor{},
+      volt::ModelSummary{}, volt::ProgressBar{}, volt::CSVLogger{},
+      volt::TensorBoardLogger({.hparams = {{"lr", 2e-3}, {"batch_size", 128}, {"epochs", args.epochs}, {"optimizer", "Adam"}},
+                               .hparam_metrics = {"val_acc", "val_loss"}}),
+      volt::LearningRateMonitor{}, volt::ThroughputMonitor{},
       volt::ModelCheckpoint({.monitor = "val_acc", .mode = volt::ModelCheckpoint::Mode::max, .save_last = true}));
 
   const auto start = std::chrono::steady_clock::now();
@@ -51,6 +56,8 @@ int train(const Args& args) {
   std::cout << "test accuracy: " << metrics.at("test_acc") * 100.0 << "%\n";
   if (!args.fast_dev_run) {
     std::cout << "metrics: " << trainer.template callback<volt::CSVLogger>().metrics_file().string() << "\n";
+    std::cout << "tensorboard: " << trainer.template callback<volt::TensorBoardLogger>().event_file().string()
+              << " (tensorboard --logdir " << (std::filesystem::path(args.out_dir) / "volt_logs").string() << ")\n";
     std::cout << "best checkpoint: " << trainer.best_model_path() << "\n";
   }
   return 0;

@@ -23,9 +23,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 bash scripts/install-deps.sh --tests
+# tensorboard (reads the TensorBoard logger's files back) and matplotlib, from PyPI, in a virtual environment.
+tools_python=$(bash scripts/install-python-tools.sh)
 if [ "$lane" = "1.13" ]; then
   build=build
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVOLT_TOOLS_PYTHON="$tools_python"
 else
   if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
     echo "volt: the LibTorch $lane lane builds against pip's torch, whose CMake files need the CUDA toolkit (nvcc);" \
@@ -34,7 +36,7 @@ else
   fi
   torch_dir=$(bash scripts/install-torch.sh "$lane")
   build=build-torch$lane
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir"
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir" -DVOLT_TOOLS_PYTHON="$tools_python"
 fi
 if [ "$tsan" = 1 ]; then
   tbuild=build-tsan${build#build}

@@ -2,8 +2,12 @@
 /// \file Callbacks shipped with volt (see callbacks/concept.hpp for every hook).
 #include "volt/callbacks/concept.hpp"
 #include "volt/callbacks/csv_logger.hpp"
+#include "volt/callbacks/device_stats_monitor.hpp"
 #include "volt/callbacks/early_stopping.hpp"
 #include "volt/callbacks/learning_rate_monitor.hpp"
 #include "volt/callbacks/model_checkpoint.hpp"
+#include "volt/callbacks/model_summary.hpp"
 #include "volt/callbacks/progress_bar.hpp"
 #include "volt/callbacks/prediction_writer.hpp"
+#include "volt/callbacks/tensorboard_logger.hpp"
+#include "volt/callbacks/throughput_monitor.hpp"

@@ -180,6 +180,9 @@ class Trainer {
   int64_t batch_idx() const { return state_.batch_idx; }
   /// The data set indices of the batch `predict` is at (undefined where its loader cannot tell).
   torch::Tensor batch_indices() const { return batch_indices_ ? batch_indices_(state_.batch_idx) : torch::Tensor(); }
+  /// In on_train_batch_end: the batch stepped and its metrics go to loggers (every log_every_n_steps), so a monitor
+  /// that records values (ThroughputMonitor) records them now.
+  bool logs_this_batch() const { return progress_.log_due; }
   /// The running loop (train, sanity_check, validate, test, predict).
   Stage stage() const { return state_.stage; }
   /// Whether the short validation run before training is running.
@@ -225,7 +228,11 @@ class Trainer {
   std::map<std::string, double> callback_metric_values() const { return detail::to_doubles(logger_.callback_metrics()); }
   /// Records a value from outside a module step (a callback's own measurement, such as a learning rate):
   /// it joins callback_metrics (and the progress bar), and loggers receive it now.
-  void record_metric(const std::string& name, double value, bool prog_bar = false, bool logger = true);
+  void record_metric(const std::string& name, double value, bool prog_bar = false, bool logger = true) {
+    record_metrics({{name, value}}, prog_bar, logger);
+  }
+  /// Several values at once: loggers receive them as one logging event (one CSV row).
+  void record_metrics(const std::map<std::string, double>& values, bool prog_bar = false, bool logger = true);
 
   /// The (first) optimizer and scheduler of the running (or last) fit; null before.
   torch::optim::Optimizer* optimizer() { return optim_.empty() ? nullptr : optim_[0].config.optimizer.get(); }

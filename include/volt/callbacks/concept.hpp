@@ -46,7 +46,8 @@
 /// | `validation_has_run()` | a validation run of this fit has ended (a validation metric can be there) |
 /// | `ckpt_path()` | the checkpoint this fit resumed from ("" when none): never delete it |
 /// | `callback_metrics()`, `progress_bar_metrics()`, `logged_metrics()`, `callback_metric_values()` | the latest logged values |
-/// | `record_metric(name, value, prog_bar, logger)` | a value of the callback's own (a learning rate), to callback_metrics and loggers |
+/// | `record_metric(name, value, prog_bar, logger)`, `record_metrics(values, ...)` | values of the callback's own (a learning rate), to callback_metrics and loggers (one logging event per call) |
+/// | `logs_this_batch()` | in `on_train_batch_end`: the batch stepped and loggers get its metrics (every `log_every_n_steps`) |
 /// | `request_stop()`, `should_stop()` | ask the fit to stop (honoured once min_epochs/min_steps are met) |
 /// | `save_checkpoint(path, weights_only)` | write a checkpoint now; every rank must call it |
 /// | `optimizer()`, `lr_scheduler()`, `optimizers()` | the running fit's (the first; null before one), and all of them (several under manual optimization) |

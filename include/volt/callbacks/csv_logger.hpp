@@ -1,6 +1,7 @@
 #pragma once
 
 #include "volt/callbacks/concept.hpp"
+#include "volt/callbacks/log_dir.hpp"
 #include "volt/context.hpp"
 
 #include <cstdint>
@@ -16,7 +17,8 @@
 
 namespace volt {
 
-/// Writes every logged metric to `<save_dir>/<name>/version_<n>/metrics.csv` on rank zero, one row per
+/// Writes every logged metric to `<save_dir>/<name>/version_<n>/metrics.csv` on rank zero (the version another
+/// logger of the Trainer chose under the same folder, else the next free one: callbacks/log_dir.hpp), one row per
 /// logging event, with a `step` column and the union of all metric names as columns (empty where a row
 /// has no value), as Lightning's CSVLogger. Rows are appended; when a new name appears the file is
 /// rewritten through a temporary file and a rename, so a reader never sees a half-written header.
@@ -51,17 +53,7 @@ class CSVLogger {
   void setup(T& trainer, M&, Stage) {
     enabled_ = trainer.is_global_zero() && !trainer.fast_dev_run();
     if (!enabled_ || !log_dir_.empty()) return;
-    const std::filesystem::path base =
-        std::filesystem::path(options_.save_dir.empty() ? trainer.options().default_root_dir : options_.save_dir) /
-        options_.name;
-    int version = options_.version.value_or(0);
-    if (!options_.version) {
-      while (std::filesystem::exists(base / ("version_" + std::to_string(version)))) ++version;
-    }
-    log_dir_ = base / ("version_" + std::to_string(version));
-    std::error_code ec;
-    std::filesystem::create_directories(log_dir_, ec);
-    if (ec) throw std::runtime_error("volt: CSVLogger cannot create " + log_dir_.string() + ": " + ec.message());
+    log_dir_ = detail::logger_dir(trainer, options_.save_dir, options_.name, options_.version, "CSVLogger");
   }
 
   template <class T>

@@ -217,14 +217,16 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, Step& step
   const bool stepped = state_.global_step != steps_before;
   if (stepped) ++progress_.batches_that_stepped;
   const bool steps = manual_optimization<Impl> ? stepped : window.steps;
+  // Every log_every_n_steps batches that stepped, as Lightning counts them (the same as optimizer steps, except under
+  // manual optimization, where a batch may step several optimizers); callbacks read it as logs_this_batch().
+  const int64_t counted = manual_optimization<Impl> ? progress_.batches_that_stepped : state_.global_step;
+  progress_.log_due = steps && (counted % options_.log_every_n_steps == 0 || progress_.should_stop);
   hook<detail::hooks::on_train_batch_end>(module, ctx, detached, batch, batch_idx);
   leave_batch();
+  progress_.log_due = false;
 
   logger_.publish_step(train_store_, collectives_, has_loggers());
   if constexpr (has_loggers()) {
-    // Every log_every_n_steps batches that stepped, as Lightning counts them (the same as optimizer steps, except under
-    // manual optimization, where a batch may step several optimizers).
-    const int64_t counted = manual_optimization<Impl> ? progress_.batches_that_stepped : state_.global_step;
     if (steps && (counted % options_.log_every_n_steps == 0 || progress_.should_stop)) {
       send_to_loggers(logger_.pending());
     } else {

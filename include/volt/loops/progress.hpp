@@ -85,6 +85,8 @@ struct FitProgress {
   int64_t total_batch_idx = 0;
   /// Training batches after which an optimizer stepped (loggers count these, as Lightning's `_batches_that_stepped`).
   int64_t batches_that_stepped = 0;
+  /// The running training batch stepped and is one whose metrics go to loggers (every log_every_n_steps).
+  bool log_due = false;
   /// Batches of the running epoch done so far (the running one included).
   int64_t batches_this_epoch = 0;
   /// The running training batch: its index and whether it is the epoch's last.

@@ -187,13 +187,14 @@ void Trainer<S, P, A, Cs...>::flush_loggers() {
 
 /// See the declaration: callback_metrics (and the progress bar) now, loggers at once.
 template <class S, class P, class A, class... Cs>
-void Trainer<S, P, A, Cs...>::record_metric(const std::string& name, double value, bool prog_bar, bool logger) {
-  const torch::Tensor v = torch::scalar_tensor(value, torch::kFloat64);
-  logger_.record(name, v, prog_bar, logger);
-  if (logger) {
-    detail::MetricMap now{{name, v}};
-    send_to_loggers(now);
+void Trainer<S, P, A, Cs...>::record_metrics(const std::map<std::string, double>& values, bool prog_bar, bool logger) {
+  detail::MetricMap now;
+  for (const auto& [name, value] : values) {
+    const torch::Tensor v = torch::scalar_tensor(value, torch::kFloat64);
+    logger_.record(name, v, prog_bar, logger);
+    now.emplace(name, v);
   }
+  if (logger) send_to_loggers(now);
 }
 
 /// The first non-empty best_model_path() among the callbacks that have one (callbacks/concept.hpp).

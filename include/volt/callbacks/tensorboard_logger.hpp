@@ -1,0 +1,174 @@
+#pragma once
+
+#include "volt/callbacks/concept.hpp"
+#include "volt/callbacks/log_dir.hpp"
+#include "volt/callbacks/model_summary.hpp"
+#include "volt/callbacks/tensorboard_events.hpp"
+#include "volt/context.hpp"
+#include "volt/errors.hpp"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+/// Writes every logged metric as a TensorBoard scalar at its step, into
+/// `<save_dir>/<name>/version_<n>/events.out.tfevents.<time>.<host>.<pid>.<n>` on rank zero, as Lightning's
+/// TensorBoardLogger (open it with `tensorboard --logdir volt_logs`). Beside the scalars: the hyper-parameters given in
+/// `Options::hparams` (TensorBoard's HPARAMS tab, with `hparam_metrics` as its metric columns) and the model's
+/// summary as text (TEXT tab), both when the first fit starts. The folder is the one a CSVLogger of the same Trainer
+/// uses under the same save_dir and name (callbacks/log_dir.hpp), so both can run side by side.
+///
+/// Values are TensorBoard's `simple_value`, a float: a double logged is read back as the float nearest to it, as
+/// with PyTorch's `SummaryWriter.add_scalar`. Records are written whole: at most `max_queue` logging events wait in
+/// memory, and the Trainer flushes at each epoch's end, after each validation, on a stop signal, when a run fails and
+/// when it ends, so a killed run loses at most the events since the last of those. One file per logger object (a fit
+/// and a later test append to the same one). Writes nothing under fast_dev_run. The format is in
+/// callbacks/tensorboard_events.hpp.
+class TensorBoardLogger {
+ public:
+  struct Options {
+    /// Base folder; empty: the Trainer's default_root_dir.
+    std::string save_dir;
+    std::string name = "volt_logs";
+    /// Unset: the version another logger of this Trainer chose, else the next free version number.
+    std::optional<int> version;
+    /// Hyper-parameters shown in the HPARAMS tab: numbers, bools or strings (`{"lr", 1e-3}, {"optimizer", "adam"}`).
+    std::map<std::string, tensorboard::HParam> hparams;
+    /// Logged metrics the HPARAMS tab shows beside the hyper-parameters (`{"val_acc"}`).
+    std::vector<std::string> hparam_metrics;
+    /// Write the model's summary (volt::summarize) as text when the first fit starts.
+    bool log_model_summary = true;
+    /// Logging events kept in memory before they are written (and whenever the Trainer flushes).
+    int64_t max_queue = 10;
+  };
+
+  TensorBoardLogger() : TensorBoardLogger(Options{}) {}
+  explicit TensorBoardLogger(Options options) : options_(std::move(options)) {
+    if (options_.max_queue < 1) {
+      throw std::invalid_argument("volt: TensorBoardLogger max_queue=" + std::to_string(options_.max_queue) +
+                                  " is not allowed: give a number >= 1.");
+    }
+    if (!options_.hparam_metrics.empty() && options_.hparams.empty()) {
+      throw std::invalid_argument("volt: TensorBoardLogger hparam_metrics are given without hparams: the HPARAMS tab "
+                                  "shows metrics beside hyper-parameters; give Options::hparams too.");
+    }
+  }
+
+  /// The run folder (empty until the first run starts).
+  const std::filesystem::path& log_dir() const { return log_dir_; }
+  /// The event file (empty until the first run starts).
+  const std::filesystem::path& event_file() const { return file_; }
+
+  template <class T, class M>
+  void setup(T& trainer, M& module, Stage stage) {
+    enabled_ = trainer.is_global_zero() && !trainer.fast_dev_run();
+    if (!enabled_) return;
+    if (file_.empty()) {
+      log_dir_ = detail::logger_dir(trainer, options_.save_dir, options_.name, options_.version, "TensorBoardLogger");
+      file_ = log_dir_ / event_file_name();
+      pending_ += tensorboard::record(tensorboard::file_version_event(now()));
+      write_pending();  // the file exists from the start, so a reader finds the run
+    }
+    if (stage == Stage::train && !started_) {
+      started_ = true;
+      const int64_t step = trainer.global_step();
+      if (!options_.hparams.empty()) {
+        add({tensorboard::hparams_experiment(options_.hparams, options_.hparam_metrics)}, step);
+        add({tensorboard::hparams_session_start(options_.hparams, now())}, step);
+      }
+      if (options_.log_model_summary) add({tensorboard::text_value("model_summary", summarize(module).to_markdown())}, step);
+      flush();
+    }
+  }
+
+  template <class T>
+  void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t step) {
+    if (!enabled_) return;
+    std::vector<tensorboard::Proto> values;
+    for (const auto& [tag, value] : metrics) values.push_back(tensorboard::scalar_value(tag, value));
+    add(values, step);
+  }
+
+  template <class T, class M>
+  void teardown(T& trainer, M&, Stage stage) {
+    if (enabled_ && stage == Stage::train && !options_.hparams.empty()) {
+      add({tensorboard::hparams_session_end(/*success=*/true, now())}, trainer.global_step());
+    }
+    flush();
+  }
+  /// A failing fit ends its session as a failure; one stopped by a signal (volt::Interrupted, to be resumed) stays open.
+  template <class T, class M>
+  void on_exception(T& trainer, M&, std::exception_ptr error) {
+    if (enabled_ && trainer.fitting() && !options_.hparams.empty() && !is_interruption(error)) {
+      add({tensorboard::hparams_session_end(/*success=*/false, now())}, trainer.global_step());
+    }
+    flush();
+  }
+
+  /// Writes the events not yet in the file (the Trainer calls it; see callbacks/concept.hpp).
+  void flush() {
+    if (enabled_ && !file_.empty() && !pending_.empty()) write_pending();
+  }
+
+ private:
+  static bool is_interruption(std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const Interrupted&) {
+      return true;
+    } catch (...) {
+    }
+    return false;
+  }
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  }
+  /// `events.out.tfevents.<seconds>.<host>.<pid>.<n>`, as PyTorch's SummaryWriter names its files.
+  static std::string event_file_name() {
+    static std::atomic<int> counter{0};
+    char host[256] = "localhost";
+    ::gethostname(host, sizeof host - 1);
+    char name[512];
+    std::snprintf(name, sizeof name, "events.out.tfevents.%010lld.%s.%d.%d", static_cast<long long>(now()), host,
+                  static_cast<int>(::getpid()), counter++);
+    return name;
+  }
+  void add(const std::vector<tensorboard::Proto>& values, int64_t step) {
+    pending_ += tensorboard::record(tensorboard::event(now(), step, values));
+    if (++queued_ >= options_.max_queue) flush();
+  }
+  void write_pending() {
+    std::ofstream out(file_, std::ios::binary | std::ios::app);
+    out.write(pending_.data(), static_cast<std::streamsize>(pending_.size()));
+    out.flush();
+    if (!out) throw std::runtime_error("volt: TensorBoardLogger could not append to " + file_.string());
+    pending_.clear();
+    queued_ = 0;
+  }
+
+  Options options_;
+  bool enabled_ = false;
+  /// The hyper-parameters and the summary are written (once per logger, at the first fit).
+  bool started_ = false;
+  std::filesystem::path log_dir_;
+  std::filesystem::path file_;
+  /// Whole records not yet written, and how many logging events they hold.
+  std::string pending_;
+  int64_t queued_ = 0;
+};
+
+}  // namespace volt

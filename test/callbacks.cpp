@@ -447,3 +447,152 @@ TEST_CASE("callback states with numbers (EarlyStopping) resume; \"last\" with no
   CHECK(t2.callback<volt::EarlyStopping>().wait_count() == es.wait_count() + 1);
   CHECK(t2.callback<volt::EarlyStopping>().best_score() == es.best_score());
 }
+
+namespace {
+/// A regressor whose validation records the weights it sees (the average, swapped in).
+struct SeesWeights : vt::RegressorImpl {
+  std::vector<torch::Tensor> seen;
+  void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    if (ctx.batch_idx() == 0) seen.push_back(vt::flat_params(*this));
+    vt::RegressorImpl::validation_step(b, ctx);
+  }
+};
+
+/// A module with a batch norm: its running statistics are floating-point buffers, its batch count an integer one.
+struct WithNorm : torch::nn::Module {
+  torch::nn::Linear lin{4, 1};
+  torch::nn::BatchNorm1d bn{4};
+  WithNorm() {
+    torch::manual_seed(3);
+    register_module("lin", lin);
+    register_module("bn", bn);
+  }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    return vt::mse(lin(bn(b.data)), b.target);
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.05)); }
+};
+
+/// Records the module's running mean after every training batch (before EMAWeightAveraging, which comes after it).
+struct RunningMeans {
+  std::vector<torch::Tensor> after_step;
+  void on_train_batch_end(auto&, WithNorm& m, const auto&, const auto&, int64_t) {
+    after_step.push_back(m.bn->running_mean.clone().to(torch::kFloat64));
+  }
+};
+/// Reads EMAWeightAveraging's average after each training batch (it comes after the callback in the pack).
+struct ReadAverage {
+  std::vector<torch::Tensor>* out;
+  void on_train_batch_end(auto& t, auto&, const auto&, const auto&, int64_t) {
+    std::vector<torch::Tensor> flat;
+    for (const auto& [name, v] : t.template callback<volt::EMAWeightAveraging>().average()) flat.push_back(v.flatten());
+    out->push_back(torch::cat(flat));
+  }
+};
+}  // namespace
+
+TEST_CASE("EMAWeightAveraging equals a hand-written average; validation sees it; the module ends with it", "[callbacks][ema]") {
+  auto [x, y] = vt::regression_data(32);
+  const double decay = 0.9;
+  SeesWeights m;
+  auto t = volt::make_trainer({.max_epochs = 3, .num_sanity_val_steps = 1},
+                              volt::EMAWeightAveraging({.decay = decay, .update_every_n_steps = 2,
+                                                        .update_starting_at_step = 3}));
+  t.fit(m, make_loader(x, y, 8), make_loader(x, y, 16));  // 4 steps an epoch, 12 in all
+
+  // By hand: the same model and SGD steps; after step index s in {4, 6, 8, 10}, the average in float64.
+  vt::RegressorImpl ref;
+  torch::optim::SGD opt(ref.parameters(), torch::optim::SGDOptions(ref.lr));
+  torch::Tensor average = vt::flat_params(ref);  // before any update: the weights when the fit started
+  std::vector<torch::Tensor> at_validation{average.clone()};  // the sanity check
+  int updates = 0;
+  for (int64_t s = 0; s < 12; ++s) {
+    const int64_t b = s % 4;
+    opt.zero_grad();
+    vt::mse(ref.forward(x.slice(0, 8 * b, 8 * b + 8)), y.slice(0, 8 * b, 8 * b + 8)).backward();
+    opt.step();
+    if (s >= 3 && s % 2 == 0) {
+      average = updates++ == 0 ? vt::flat_params(ref) : decay * average + (1 - decay) * vt::flat_params(ref);
+    }
+    if (b == 3) at_validation.push_back(average.clone());
+  }
+  CHECK(t.callback<volt::EMAWeightAveraging>().num_updates() == 4);
+  REQUIRE(m.seen.size() == 4);
+  for (std::size_t i = 0; i < 4; ++i) {
+    INFO("validation " << i);
+    CHECK(torch::allclose(m.seen[i], at_validation[i], 1e-6, 1e-7));
+  }
+  CHECK(torch::allclose(vt::flat_params(m), average, 1e-6, 1e-7));  // copied in when training ended
+  CHECK_FALSE(torch::allclose(vt::flat_params(ref), average, 1e-4, 1e-5));  // and not the last weights
+
+  SECTION("buffers: floating ones averaged with use_buffers, integer ones current; without, the last update's") {
+    for (const bool use_buffers : {true, false}) {
+      WithNorm n;
+      auto tb = volt::make_trainer({.max_epochs = 2}, RunningMeans{},
+                                   volt::EMAWeightAveraging({.decay = 0.5, .use_buffers = use_buffers}));
+      tb.fit(n, make_loader(x, y, 8));
+      const auto& means = tb.callback<RunningMeans>().after_step;
+      REQUIRE(means.size() == 8);
+      torch::Tensor mean = means[0];
+      for (std::size_t i = 1; i < means.size(); ++i) mean = use_buffers ? 0.5 * mean + 0.5 * means[i] : means[i];
+      INFO("use_buffers " << use_buffers);
+      CHECK(torch::allclose(n.bn->running_mean.to(torch::kFloat64), mean, 1e-6, 1e-7));
+      CHECK(n.bn->num_batches_tracked.item<int64_t>() == 8);
+    }
+  }
+  CHECK_THROWS_WITH(volt::EMAWeightAveraging({.decay = 1.5}), Contains("decay=1.5") && Contains("0 <= decay <= 1"));
+  CHECK_THROWS_WITH(volt::EMAWeightAveraging({.update_every_n_steps = -1}), Contains("update_every_n_steps=-1"));
+}
+
+TEST_CASE("EMAWeightAveraging: checkpoints hold the average as their weights, and a resume goes on bit for bit",
+          "[callbacks][ema][checkpoint]") {
+  auto [x, y] = vt::regression_data(40);
+  auto loader = [&] { return make_loader(x, y, 8, /*shuffle=*/true, 11); };  // 5 steps an epoch
+  const volt::EMAWeightAveraging::Options ema{.decay = 0.7};
+  auto every_step = [](const fs::path& dir) {
+    return volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "s{step}", .save_top_k = -1,
+                                  .every_n_train_steps = 1, .auto_insert_metric_name = false});
+  };
+  // The uninterrupted run, the callback before ModelCheckpoint: each file holds the average after its step's update.
+  const fs::path ref_dir = scratch("ema_ref");
+  vt::RegressorImpl ref;
+  std::vector<torch::Tensor> averages;  // after each step, read from the callback
+  auto tr = volt::make_trainer({.max_epochs = 3}, volt::EMAWeightAveraging(ema), ReadAverage{&averages}, every_step(ref_dir));
+  tr.fit(ref, loader());
+  REQUIRE(averages.size() == 15);
+  const auto file7 = volt::checkpoint::read((ref_dir / "s7.ckpt").string());
+  const auto weights7 = file7.at("state_dict").toGenericDict();
+  CHECK(torch::equal(torch::cat({weights7.at("lin.weight").toTensor().flatten(), weights7.at("lin.bias").toTensor().flatten()}),
+                     averages[6]));
+  const auto state7 = file7.at("callbacks").toGenericDict().at("volt::EMAWeightAveraging").toGenericDict();
+  CHECK(state7.at("n_averaged").toInt() == 7);
+  CHECK_FALSE(torch::equal(state7.at("current_model_state").toGenericDict().at("lin.weight").toTensor(),
+                           weights7.at("lin.weight").toTensor()));
+
+  // Resumed from step 7 and from step 10 (an epoch's end), with ModelCheckpoint first in the pack this time (its
+  // files miss the batch's update, which the resumed fit makes first): the same weights, bit for bit.
+  for (const int step : {7, 10}) {
+    const fs::path dir = scratch("ema_resume_" + std::to_string(step));
+    {
+      vt::RegressorImpl first;
+      auto t1 = volt::make_trainer({.max_steps = step}, every_step(dir), volt::EMAWeightAveraging(ema));
+      t1.fit(first, loader());
+    }
+    vt::RegressorImpl resumed(0.05, /*seed=*/99);  // other initial weights: everything must come from the file
+    auto t2 = volt::make_trainer({.max_epochs = 3}, every_step(dir), volt::EMAWeightAveraging(ema));
+    t2.fit(resumed, loader(), (dir / ("s" + std::to_string(step) + ".ckpt")).string());
+    INFO("resumed from step " << step);
+    CHECK(t2.callback<volt::EMAWeightAveraging>().num_updates() == 15);
+    CHECK(vt::same_weights(resumed, ref));
+  }
+  SECTION("a checkpoint written without the callback resumes with average = its weights") {
+    const fs::path dir = scratch("ema_plain");
+    vt::RegressorImpl first;
+    auto t1 = volt::make_trainer({.max_steps = 5}, every_step(dir));
+    t1.fit(first, loader());
+    vt::RegressorImpl resumed(0.05, 99);
+    auto t2 = volt::make_trainer({.max_steps = 5}, volt::EMAWeightAveraging(ema));
+    t2.fit(resumed, loader(), (dir / "s5.ckpt").string());
+    CHECK(vt::same_weights(resumed, first));  // no step left: the average is the file's weights
+  }
+}

@@ -2,7 +2,9 @@
 // Script's self-relaunch or through Spawn (see CMakeLists.txt). Every rank runs the same scenario; the
 // checks run where the answer is (rank 0, or the main process under Spawn) and set the exit status.
 //
-//   distributed fit <script|spawn> [--accumulate K]   DDP weights == a one-process loop on the same global batches
+//   distributed fit <script|spawn> [--accumulate K] [--fused] [--ema DECAY]
+//                                                     DDP weights (or their moving average) == a one-process loop
+//                                                     on the same global batches
 //   distributed indices <script|spawn> N              every sample seen once per epoch across ranks
 //   distributed metrics                               sync_dist values, stop decisions, all_gather/broadcast
 //   distributed predict <script|spawn> WORLD          predict (gathered, and written by PredictionWriter) and validate
@@ -86,13 +88,22 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
+torch::Tensor flat(torch::nn::Module& m) {
+  std::vector<torch::Tensor> v;
+  for (auto& p : m.parameters()) v.push_back(p.detach().flatten().cpu());
+  return torch::cat(v);
+}
+
 /// The reference: one process, plain LibTorch. Global batch i of an epoch = rank 0's local batch i followed
 /// by rank 1's, where rank r's local order is positions r, r+2, ... of randperm(n) seeded with seed+epoch;
 /// the loss is the mean over the global batch (equal local batches make it the mean of the ranks' means).
-torch::Tensor reference_weights(int64_t n, int epochs, int accumulate) {
+/// With `ema_decay` > 0: the exponential moving average of the weights after each step instead (the first step's
+/// weights, then decay * average + (1 - decay) * weights, in float64), as EMAWeightAveraging keeps it.
+torch::Tensor reference_weights(int64_t n, int epochs, int accumulate, double ema_decay = 0.0) {
   auto [x, y] = data(n);
   Net net;
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::Tensor average;
   const int64_t local = n / kWorld, batches = local / kBatch;
   for (int e = 0; e < epochs; ++e) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(kSeed + static_cast<uint64_t>(e));
@@ -107,36 +118,46 @@ torch::Tensor reference_weights(int64_t n, int epochs, int accumulate) {
       if (i % accumulate == 0) opt.zero_grad();
       auto loss = (net->forward(x.index_select(0, id)) - y.index_select(0, id)).pow(2).mean() / accumulate;
       loss.backward();
-      if ((i + 1) % accumulate == 0 || i + 1 == batches) opt.step();
+      if ((i + 1) % accumulate == 0 || i + 1 == batches) {
+        opt.step();
+        if (ema_decay > 0.0) {
+          const torch::Tensor w = flat(*net).to(torch::kFloat64);
+          average = average.defined() ? ema_decay * average + (1.0 - ema_decay) * w : w;
+        }
+      }
     }
   }
-  std::vector<torch::Tensor> flat;
-  for (auto& p : net->parameters()) flat.push_back(p.detach().flatten());
-  return torch::cat(flat);
+  return ema_decay > 0.0 ? average.to(torch::kFloat32) : flat(*net);
 }
 
-torch::Tensor flat(torch::nn::Module& m) {
-  std::vector<torch::Tensor> v;
-  for (auto& p : m.parameters()) v.push_back(p.detach().flatten().cpu());
-  return torch::cat(v);
-}
+template <class L, class... Callbacks>
+int fit_scenario_with(int accumulate, bool fused, double ema_decay, Callbacks... callbacks);
 
 template <class L>
-int fit_scenario(int accumulate, bool fused) {
+int fit_scenario(int accumulate, bool fused, double ema_decay) {
+  if (ema_decay > 0.0) {  // the module ends with the average, which every rank keeps alike
+    return fit_scenario_with<L>(accumulate, fused, ema_decay, volt::EMAWeightAveraging({.decay = ema_decay}));
+  }
+  return fit_scenario_with<L>(accumulate, fused, ema_decay);
+}
+
+template <class L, class... Callbacks>
+int fit_scenario_with(int accumulate, bool fused, double ema_decay, Callbacks... callbacks) {
   const int64_t n = 64;
   const int epochs = 2;
   auto [x, y] = data(n);
   Net net;
   net->fused = fused;
-  volt::Trainer<volt::DDP<L, volt::Mpi>> trainer(
-      {.devices = kWorld, .max_epochs = epochs, .accumulate_grad_batches = accumulate});
+  auto trainer = volt::make_trainer<volt::DDP<L, volt::Mpi>>(
+      {.devices = kWorld, .max_epochs = epochs, .accumulate_grad_batches = accumulate}, callbacks...);
   trainer.strategy().set_bucket_bytes(256, 512);  // several buckets for this small net
   volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
   const volt::FitResult result = trainer.fit(net, loader);
   // Under Script every rank gets here; under Spawn only the main process does.
-  const bool answer_here = std::is_same_v<L, volt::Spawn> || trainer.is_global_zero();
+  // (with EMA every rank checks: each must hold the reference's average)
+  const bool answer_here = std::is_same_v<L, volt::Spawn> || trainer.is_global_zero() || ema_decay > 0.0;
   if (answer_here) {
-    const torch::Tensor want = reference_weights(n, epochs, accumulate);
+    const torch::Tensor want = reference_weights(n, epochs, accumulate, ema_decay);
     const torch::Tensor got = flat(*net);
     const double diff = (got - want).abs().max().item<double>();
     std::cout << "max |ddp - reference| = " << diff << std::endl;
@@ -562,21 +583,24 @@ struct Mode {
 bool spawn_given(const std::vector<std::string>& a) { return a.size() > 1 && a[1] == "spawn"; }
 const Mode kModes[] = {
     {"fit",
-     "<script|spawn> [--accumulate k] [--fused]: DDP on 2 ranks against one process's hand-written loop "
-     "(--fused: with volt::optim::SGD)",
+     "<script|spawn> [--accumulate k] [--fused] [--ema DECAY]: DDP on 2 ranks against one process's hand-written "
+     "loop (--fused: with volt::optim::SGD; --ema: with EMAWeightAveraging, its average on every rank)",
      [](const std::vector<std::string>& a) {
        int k = 1;
        bool fused = false;
+       double ema = 0.0;
        for (std::size_t i = 2; i < a.size(); ++i) {
          if (a[i] == "--accumulate" && i + 1 < a.size()) {
            k = std::stoi(a[++i]);
          } else if (a[i] == "--fused") {
            fused = true;
+         } else if (a[i] == "--ema" && i + 1 < a.size()) {
+           ema = std::stod(a[++i]);
          } else {
-           throw std::invalid_argument("fit: unknown argument " + a[i] + "; allowed: --accumulate k, --fused");
+           throw std::invalid_argument("fit: unknown argument " + a[i] + "; allowed: --accumulate k, --fused, --ema DECAY");
          }
        }
-       return spawn_given(a) ? fit_scenario<volt::Spawn>(k, fused) : fit_scenario<volt::Script>(k, fused);
+       return spawn_given(a) ? fit_scenario<volt::Spawn>(k, fused, ema) : fit_scenario<volt::Script>(k, fused, ema);
      }},
     {"manual", "<script|spawn>: DDP on 2 ranks with manual optimization (two optimizers, toggling, no_sync) against "
                "one process's hand-written loop",

@@ -4,6 +4,7 @@
 #include "volt/callbacks/csv_logger.hpp"
 #include "volt/callbacks/device_stats_monitor.hpp"
 #include "volt/callbacks/early_stopping.hpp"
+#include "volt/callbacks/ema_weight_averaging.hpp"
 #include "volt/callbacks/learning_rate_monitor.hpp"
 #include "volt/callbacks/model_checkpoint.hpp"
 #include "volt/callbacks/model_summary.hpp"

@@ -370,8 +370,8 @@ class Trainer {
   torch::nn::Module* module_ = nullptr;
   /// The training loader's position now (set while a fit runs over a loader that keeps one).
   std::function<data::LoaderState()> train_loader_state_;
-  /// The module's on_save_checkpoint, when it has one.
-  std::function<void(checkpoint::Dict&)> module_save_hook_;
+  /// The callbacks' on_save_checkpoint and the module's (full checkpoints only), set while a fit runs.
+  std::function<void(checkpoint::Dict&, bool weights_only)> save_hooks_;
   /// The training loader's position when the last fit ended.
   std::optional<data::LoaderState> final_loader_state_;
   /// A fit is running.

@@ -22,6 +22,7 @@
 /// | `on_before_backward` | `const torch::Tensor& loss` | |
 /// | `on_after_backward` | | |
 /// | `on_exception` | `std::exception_ptr` | a run is ending with an exception (it is rethrown) |
+/// | `on_save_checkpoint` | `volt::checkpoint::Dict& checkpoint` | a checkpoint of the running (or last) fit is about to be written, on rank zero, its callback states already in it; also for weights-only ones (unlike Lightning), which hold only `state_dict`. EMAWeightAveraging puts its average there |
 /// | `on_log_metrics` | `(trainer, const std::map<std::string, double>&, int64_t step)`: no module | metrics for loggers |
 ///
 /// State in checkpoints (optional too): `state_dict() const` returning `std::map<std::string, double>` or a

@@ -68,9 +68,9 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
       fit.rng = std::move(rng);
       fit.callbacks = checkpoint::callbacks_to_state(callbacks_);
       checkpoint::write_fit_state(d, fit);
-      if (module_save_hook_) module_save_hook_(d);
       d.insert(checkpoint::keys::accumulated_grads, grads);
     }
+    if (save_hooks_) save_hooks_(d, weights_only);
     checkpoint::save(path, std::move(d));
   }
   strategy_.barrier();

@@ -43,11 +43,12 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
 
   decltype(auto) train_loader = strategy_.process_dataloader(train, Stage::train);
   using PTL = std::remove_reference_t<decltype(train_loader)>;
-  if constexpr (requires(Impl& m, checkpoint::Dict& d) { m.on_save_checkpoint(d); }) {
-    module_save_hook_ = [&module](checkpoint::Dict& d) { module.on_save_checkpoint(d); };
-  } else {
-    module_save_hook_ = nullptr;
-  }
+  save_hooks_ = [this, &module](checkpoint::Dict& d, bool weights_only) {  // callbacks first, as Lightning
+    detail::call_callbacks<detail::hooks::on_save_checkpoint>(callbacks_, *this, module, d);
+    if constexpr (requires(Impl& m, checkpoint::Dict& dd) { m.on_save_checkpoint(dd); }) {
+      if (!weights_only) module.on_save_checkpoint(d);
+    }
+  };
   if constexpr (data::PositionedLoader<PTL>) {
     train_loader_state_ = [&train_loader] { return train_loader.state_dict(); };
   } else {

@@ -59,6 +59,7 @@
   X(on_predict_epoch_end)                                                                                            \
   X(on_predict_end)                                                                                                  \
   X(teardown)                                                                                                        \
+  X(on_save_checkpoint)                                                                                              \
   X(on_exception)
 
 // Internal only: the tag type of one hook; undefined at the end of this header.

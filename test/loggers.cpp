@@ -215,14 +215,16 @@ TEST_CASE("ModelSummary counts parameters as a hand count does, and prints them 
 }
 
 namespace {
-/// Training steps of about 4 ms, validation steps of 30 ms: a throughput that counted validation would be far off.
+/// Training steps of about 20 ms, validation steps of 50 ms: a throughput that counted validation would be far off
+/// (a validation is 100 ms inside a 60 ms window), and a few milliseconds of another process's time between the two
+/// clocks' readings stay within the 5% the checks allow.
 struct Timed : vt::RegressorImpl {
   torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(4));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
     return vt::RegressorImpl::training_step(b, ctx);
   }
   void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
     vt::RegressorImpl::validation_step(b, ctx);
   }
 };
@@ -286,11 +288,11 @@ TEST_CASE("ThroughputMonitor's rates equal the batch sizes over the training tim
     for (std::size_t i = first + 1; i < n; ++i) window_samples += sw.batch_ends[i].second;
     const double seconds = sw.training_time(sw.batch_ends[first].first, sw.batch_ends[n - 1].first);
     if (seconds < sw.batch_ends[n - 1].first - sw.batch_ends[first].first) ++straddling;
-    CHECK(values.at("train/device/samples_per_sec") == Approx(window_samples / seconds).epsilon(0.02));
-    CHECK(values.at("train/device/batches_per_sec") == Approx(static_cast<double>(n - 1 - first) / seconds).epsilon(0.02));
+    CHECK(values.at("train/device/samples_per_sec") == Approx(window_samples / seconds).epsilon(0.05));
+    CHECK(values.at("train/device/batches_per_sec") == Approx(static_cast<double>(n - 1 - first) / seconds).epsilon(0.05));
     CHECK(values.at("train/samples_per_sec") == values.at("train/device/samples_per_sec"));  // world size 1
     CHECK(values.at("train/device/flops_per_sec") == Approx(values.at("train/device/batches_per_sec") * flops));
-    CHECK(values.at("train/time") == Approx(sw.training_time(0.0, sw.batch_ends[n - 1].first)).epsilon(0.02));
+    CHECK(values.at("train/time") == Approx(sw.training_time(0.0, sw.batch_ends[n - 1].first)).epsilon(0.05));
   }
   CHECK(straddling >= 2);  // windows with a validation inside them were checked
   CHECK_THROWS_WITH(volt::ThroughputMonitor({.window_size = 1}), Contains("window_size=1") && Contains(">= 2"));

@@ -480,6 +480,25 @@ struct RunningMeans {
     after_step.push_back(m.bn->running_mean.clone().to(torch::kFloat64));
   }
 };
+/// Manual optimization: SGD steps after every second batch, the two batches' gradients summed.
+struct ManualEveryOther : vt::RegressorImpl {
+  static constexpr bool automatic_optimization = false;
+  void training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    auto opts = ctx.optimizers();
+    ctx.manual_backward(vt::mse(forward(b.data), b.target));
+    if (ctx.batch_idx() % 2 == 1) {
+      opts[0].step();
+      opts[0].zero_grad();
+    }
+  }
+};
+
+/// The module's weights after the last training batch.
+struct LastWeights {
+  torch::Tensor* out;
+  void on_train_batch_end(auto&, auto& m, const auto&, const auto&, int64_t) { *out = vt::flat_params(m); }
+};
+
 /// Reads EMAWeightAveraging's average after each training batch (it comes after the callback in the pack).
 struct ReadAverage {
   std::vector<torch::Tensor>* out;
@@ -540,6 +559,25 @@ TEST_CASE("EMAWeightAveraging equals a hand-written average; validation sees it;
       CHECK(n.bn->num_batches_tracked.item<int64_t>() == 8);
     }
   }
+  SECTION("manual optimization: one update per batch that stepped") {
+    ManualEveryOther mm;
+    auto tm = volt::make_trainer({.max_epochs = 2}, volt::EMAWeightAveraging({.decay = 0.6}));
+    tm.fit(mm, make_loader(x, y, 8));  // 4 batches an epoch: steps after batches 1 and 3
+    vt::RegressorImpl hand;
+    torch::optim::SGD sgd(hand.parameters(), torch::optim::SGDOptions(hand.lr));
+    torch::Tensor avg;
+    for (int64_t i = 0; i < 8; ++i) {
+      const int64_t b = i % 4;
+      vt::mse(hand.forward(x.slice(0, 8 * b, 8 * b + 8)), y.slice(0, 8 * b, 8 * b + 8)).backward();
+      if (b % 2 == 1) {
+        sgd.step();
+        sgd.zero_grad();
+        avg = avg.defined() ? 0.6 * avg + 0.4 * vt::flat_params(hand) : vt::flat_params(hand);
+      }
+    }
+    CHECK(tm.callback<volt::EMAWeightAveraging>().num_updates() == 4);
+    CHECK(torch::allclose(vt::flat_params(mm), avg, 1e-6, 1e-7));
+  }
   CHECK_THROWS_WITH(volt::EMAWeightAveraging({.decay = 1.5}), Contains("decay=1.5") && Contains("0 <= decay <= 1"));
   CHECK_THROWS_WITH(volt::EMAWeightAveraging({.update_every_n_steps = -1}), Contains("update_every_n_steps=-1"));
 }
@@ -585,14 +623,49 @@ TEST_CASE("EMAWeightAveraging: checkpoints hold the average as their weights, an
     CHECK(t2.callback<volt::EMAWeightAveraging>().num_updates() == 15);
     CHECK(vt::same_weights(resumed, ref));
   }
-  SECTION("a checkpoint written without the callback resumes with average = its weights") {
+  SECTION("a checkpoint written without the callback: no update made yet, the next copies the weights") {
     const fs::path dir = scratch("ema_plain");
     vt::RegressorImpl first;
     auto t1 = volt::make_trainer({.max_steps = 5}, every_step(dir));
-    t1.fit(first, loader());
+    t1.fit(first, make_loader(x, y, 8));  // one epoch of 5 batches, in order
     vt::RegressorImpl resumed(0.05, 99);
-    auto t2 = volt::make_trainer({.max_steps = 5}, volt::EMAWeightAveraging(ema));
-    t2.fit(resumed, loader(), (dir / "s5.ckpt").string());
-    CHECK(vt::same_weights(resumed, first));  // no step left: the average is the file's weights
+    auto t2 = volt::make_trainer({.max_steps = 10}, volt::EMAWeightAveraging(ema));
+    t2.fit(resumed, make_loader(x, y, 8), (dir / "s5.ckpt").string());
+    // By hand: SGD (no momentum: no state) from the file's weights over epoch 1's batches, averaged from step 6 on.
+    torch::optim::SGD sgd(first.parameters(), torch::optim::SGDOptions(first.lr));
+    torch::Tensor avg;
+    for (int64_t b = 0; b < 5; ++b) {
+      sgd.zero_grad();
+      vt::mse(first.forward(x.slice(0, 8 * b, 8 * b + 8)), y.slice(0, 8 * b, 8 * b + 8)).backward();
+      sgd.step();
+      avg = avg.defined() ? 0.7 * avg + 0.3 * vt::flat_params(first) : vt::flat_params(first);
+    }
+    CHECK(t2.callback<volt::EMAWeightAveraging>().num_updates() == 5);
+    CHECK(torch::allclose(vt::flat_params(resumed), avg, 1e-6, 1e-7));
+  }
+  SECTION("a run failing during validation leaves the module its training weights, and validate() after a fit swaps nothing") {
+    struct FailsInValidation : vt::RegressorImpl {
+      int64_t validations = 0;
+      void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+        if (++validations == 3) throw std::runtime_error("boom in validation");
+        vt::RegressorImpl::validation_step(b, ctx);
+      }
+    } f;
+    torch::Tensor last_step;
+    auto tf = volt::make_trainer({.max_epochs = 2, .num_sanity_val_steps = 0},
+                                 volt::EMAWeightAveraging({.decay = 0.5}), LastWeights{&last_step});
+    CHECK_THROWS_WITH(tf.fit(f, make_loader(x, y, 8), make_loader(x, y, 20)), Contains("boom in validation"));
+    // Epoch 1's validation failed on its first batch, the average swapped in: the module has its last step's weights.
+    CHECK(torch::equal(vt::flat_params(f), last_step));
+    auto tv = volt::make_trainer({}, volt::EMAWeightAveraging({.decay = 0.5}));
+    vt::RegressorImpl trained;
+    tv.fit(trained, make_loader(x, y, 8));
+    const torch::Tensor before = vt::flat_params(trained);  // the average, copied in at the end
+    torch::NoGradGuard no_grad;
+    for (auto& p : trained.parameters()) p.add_(1.0);  // as if other weights were loaded
+    const torch::Tensor loaded = vt::flat_params(trained);
+    tv.validate(trained, make_loader(x, y, 20));
+    CHECK(torch::equal(vt::flat_params(trained), loaded));
+    CHECK_FALSE(torch::equal(loaded, before));
   }
 }

@@ -10,6 +10,7 @@
 #include <torch/utils.h>
 
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -29,12 +30,16 @@ namespace volt {
 /// when training ends it is copied into the module for good, so `test`, `predict` and Spawn's returned weights use it;
 /// a checkpoint's `state_dict` holds the average (a model loaded from it for inference gets the averaged weights)
 /// while this callback's state holds the weights training goes on from, and the update counters, so a resumed fit
-/// goes on bit for bit. A checkpoint written without this callback resumes with average = current weights. Every rank
-/// holds the same average (the weights are the same after each step under DDP); it works with manual optimization
-/// (one update per batch that stepped) and graph mode (updates run outside the captured step).
+/// goes on bit for bit. A checkpoint written without this callback resumes with average = its weights and no update
+/// made yet (the next one copies the weights). Under DDP every rank holds the same average of the parameters (they
+/// are the same after each step); buffers that each rank updates on its own data (a batch norm's running
+/// statistics) differ across ranks, averaged or not. It works with manual optimization (one update per batch that
+/// stepped) and graph mode (updates run outside the captured step).
 ///
-/// A ModelCheckpoint before this callback in the pack saves before the batch's update; the resumed fit then makes
-/// that update first, so the result is the same in either order.
+/// Order in the pack: a ModelCheckpoint before this callback saves before the batch's update; the resumed fit then
+/// makes that update first, so the result is the same in either order. When a fit resumes, the module holds the
+/// file's weights (the average) until this callback's on_fit_start puts the training weights back: callbacks before
+/// it see the average in their own on_fit_start. A run that fails during validation gets its weights back.
 class EMAWeightAveraging {
  public:
   struct Options {
@@ -85,23 +90,30 @@ class EMAWeightAveraging {
     latest_update_epoch_ = -1;
     resumed_current_.reset();
     entries_.clear();
+    swapped_ = false;
   }
   template <class T, class M>
   void on_fit_start(T& trainer, M& module) {
     bind(module);
-    if (resumed_current_) {  // the module holds the file's state_dict, the average: it goes back where it belongs
+    if (!resumed_current_) return;
+    // The module holds the file's state_dict, the average: each goes back where it belongs (all checked first).
+    for (const auto& e : entries_) {
+      const bool fits = resumed_current_->contains(e.name) && resumed_current_->at(e.name).isTensor() &&
+                        resumed_current_->at(e.name).toTensor().sizes() == e.current.sizes();
+      if (!fits) {
+        throw CheckpointError("volt: EMAWeightAveraging's state in " + trainer.ckpt_path() + " has no weights of " +
+                              e.name + "'s shape; it was written for another module.");
+      }
+    }
+    {
       torch::NoGradGuard no_grad;
       for (auto& e : entries_) {
         e.average.copy_(e.current);
-        if (!resumed_current_->contains(e.name)) {
-          throw CheckpointError("volt: EMAWeightAveraging's state in " + trainer.ckpt_path() + " has no weights for " +
-                                e.name + "; it was written for another module.");
-        }
         e.current.copy_(resumed_current_->at(e.name).toTensor());
       }
-      resumed_current_.reset();
     }
-    // A checkpoint saved before this batch's update (a ModelCheckpoint earlier in the pack): make it now.
+    resumed_current_.reset();
+    // A checkpoint saved before its batch's update (a ModelCheckpoint earlier in the pack): make it now.
     if (trainer.global_step() > latest_update_step_ && should_update_at_step(trainer.global_step() - 1)) {
       update(trainer.global_step());
     }
@@ -120,12 +132,18 @@ class EMAWeightAveraging {
       latest_update_epoch_ = epoch;
     }
   }
+  /// (only while fitting: a validate() after the fit runs on the module as it is, which holds the average by then)
   template <class T, class M>
-  void on_validation_epoch_start(T&, M&) {
-    if (!entries_.empty() && !swapped_) swap();
+  void on_validation_epoch_start(T& trainer, M&) {
+    if (trainer.fitting() && !entries_.empty() && !swapped_) swap();
   }
   template <class T, class M>
   void on_validation_epoch_end(T&, M&) {
+    if (swapped_) swap();
+  }
+  /// A run failing during validation: the module gets its training weights back.
+  template <class T, class M>
+  void on_exception(T&, M&, std::exception_ptr) {
     if (swapped_) swap();
   }
   template <class T, class M>

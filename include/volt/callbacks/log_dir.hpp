@@ -3,6 +3,7 @@
 /// Where a logger writes: `<save_dir>/<name>/version_<n>/`, the versioning of Lightning's loggers, shared by every
 /// logger of a Trainer so that side-by-side loggers (CSVLogger and TensorBoardLogger) write into one folder.
 
+#include <algorithm>
 #include <filesystem>
 #include <optional>
 #include <stdexcept>
@@ -14,7 +15,7 @@ namespace volt::detail {
 
 /// The folder a logger with these settings writes to in this run, created. `save_dir` empty: the Trainer's
 /// `default_root_dir`. `version` unset: the folder another logger of the same Trainer already chose under the same
-/// `<save_dir>/<name>` (a callback with a non-empty `log_dir()`), else the next free version number.
+/// `<save_dir>/<name>` (a callback with a non-empty `log_dir()`), else one more than the highest version there.
 template <class T>
 std::filesystem::path logger_dir(T& trainer, const std::string& save_dir, const std::string& name,
                                  std::optional<int> version, const char* who) {
@@ -34,16 +35,30 @@ std::filesystem::path logger_dir(T& trainer, const std::string& save_dir, const 
       (one(cb), ...);
       (void)one;
     }, trainer.callbacks());
-    int n = 0;
-    while (dir.empty()) {
-      if (!std::filesystem::exists(base / ("version_" + std::to_string(n)))) dir = base / ("version_" + std::to_string(n));
-      ++n;
-    }
   }
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw std::runtime_error(std::string("volt: ") + who + " cannot create " + dir.string() + ": " + ec.message());
-  return dir;
+  if (!dir.empty()) {
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw std::runtime_error(std::string("volt: ") + who + " cannot create " + dir.string() + ": " + ec.message());
+    return dir;
+  }
+  // The next version after the highest there, as Lightning counts; claimed by creating it, so that two runs starting
+  // together take two folders.
+  std::filesystem::create_directories(base, ec);
+  if (ec) throw std::runtime_error(std::string("volt: ") + who + " cannot create " + base.string() + ": " + ec.message());
+  int next = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(base, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory() && name.rfind("version_", 0) == 0 && name.size() > 8 &&
+        name.find_first_not_of("0123456789", 8) == std::string::npos && name.size() < 18) {
+      next = std::max(next, std::stoi(name.substr(8)) + 1);
+    }
+  }
+  for (;; ++next) {
+    dir = base / ("version_" + std::to_string(next));
+    if (std::filesystem::create_directory(dir, ec)) return dir;
+    if (ec) throw std::runtime_error(std::string("volt: ") + who + " cannot create " + dir.string() + ": " + ec.message());
+  }
 }
 
 }  // namespace volt::detail

@@ -16,6 +16,8 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <system_error>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -113,10 +115,14 @@ class TensorBoardLogger {
   /// A failing fit ends its session as a failure; one stopped by a signal (volt::Interrupted, to be resumed) stays open.
   template <class T, class M>
   void on_exception(T& trainer, M&, std::exception_ptr error) {
-    if (enabled_ && trainer.fitting() && !options_.hparams.empty() && !is_interruption(error)) {
-      add({tensorboard::hparams_session_end(/*success=*/false, now())}, trainer.global_step());
+    try {  // the run's own error is the one to see: a failing write here must not replace it
+      if (enabled_ && trainer.fitting() && !options_.hparams.empty() && !is_interruption(error)) {
+        add({tensorboard::hparams_session_end(/*success=*/false, now())}, trainer.global_step());
+      }
+      flush();
+    } catch (const std::exception& e) {
+      std::cerr << "volt: TensorBoardLogger could not write its last events: " << e.what() << "\n";
     }
-    flush();
   }
 
   /// Writes the events not yet in the file (the Trainer calls it; see callbacks/concept.hpp).
@@ -151,11 +157,19 @@ class TensorBoardLogger {
     pending_ += tensorboard::record(tensorboard::event(now(), step, values));
     if (++queued_ >= options_.max_queue) flush();
   }
+  /// Appends the pending records; a failed write is cut off again, so that a later flush does not follow a torn
+  /// record (readers stop at one).
   void write_pending() {
+    std::error_code ec;
+    const auto size_before = std::filesystem::exists(file_, ec) ? std::filesystem::file_size(file_, ec) : 0;
     std::ofstream out(file_, std::ios::binary | std::ios::app);
     out.write(pending_.data(), static_cast<std::streamsize>(pending_.size()));
     out.flush();
-    if (!out) throw std::runtime_error("volt: TensorBoardLogger could not append to " + file_.string());
+    if (!out) {
+      out.close();
+      std::filesystem::resize_file(file_, size_before, ec);
+      throw std::runtime_error("volt: TensorBoardLogger could not append to " + file_.string());
+    }
     pending_.clear();
     queued_ = 0;
   }

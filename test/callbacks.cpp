@@ -12,6 +12,7 @@
 #include <thread>
 #include <chrono>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 
@@ -157,6 +158,65 @@ TEST_CASE("ProgressBar's it/s counts training batches only: not validation, not 
   }
 }
 
+TEST_CASE("ProgressBar: no empty line for an epoch a resume finds ended; a stopped run's notice starts its own line",
+          "[trainer][callbacks][signals]") {
+  auto [x, y] = vt::regression_data(40);
+  SECTION("a resume from the epoch's last batch") {
+    const fs::path dir = scratch("bar_epoch_end");
+    Regressor m;
+    auto a = volt::make_trainer({.max_epochs = 1}, volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{step}",
+                                                                           .save_top_k = -1, .every_n_train_steps = 5}));
+    a.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8}));  // 5 batches: step=5.ckpt after epoch 0's last
+    std::ostringstream out;
+    auto b = volt::make_trainer({.max_epochs = 2}, volt::ProgressBar({.out = &out, .plain = true}));
+    b.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8}), (dir / "step=5.ckpt").string());
+    INFO(out.str());
+    CHECK_THAT(out.str(), StartsWith("Epoch 1/1") && Contains("5/5"));
+    CHECK_THAT(out.str(), !Contains("Epoch 0"));  // epoch 0 had nothing left to run
+  }
+  SECTION("SIGTERM in the middle of a redrawn line") {
+    struct Stops : vt::RegressorImpl {
+      torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+        if (ctx.batch_idx() == 2) std::raise(SIGTERM);
+        return vt::RegressorImpl::training_step(b, ctx);
+      }
+    };
+    const fs::path dir = scratch("bar_sigterm");
+    std::ostringstream both;  // the bar's stream and std::cerr, in the order written
+    std::streambuf* old = std::cerr.rdbuf(both.rdbuf());
+    std::string what;
+    try {
+      Stops m;
+      auto t = volt::make_trainer({.max_epochs = 1, .default_root_dir = dir.string(), .signals = {.exit_process = false}},
+                                  volt::ProgressBar({.out = &both, .plain = false, .redraws_per_second = 1e9}));
+      t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8}));
+    } catch (const volt::Interrupted& stop) {
+      what = stop.what();
+    }
+    std::cerr.rdbuf(old);
+    INFO(both.str());
+    const std::string path = (dir / "checkpoints" / "interrupted.ckpt").string();
+    // No ModelCheckpoint: "last" would not find the file, so the notice names the path only.
+    CHECK(what == "volt: SIGTERM received; stopped at epoch 0, step 3 and saved " + path + " (resume with fit(..., \"" +
+                      path + "\")).");
+    CHECK_THAT(both.str(), Contains("3/5") && Contains("\n" + what + "\n"));
+  }
+  SECTION("with a ModelCheckpoint the notice offers \"last\" too") {
+    struct Stops : vt::RegressorImpl {
+      torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+        if (ctx.batch_idx() == 1) std::raise(SIGTERM);
+        return vt::RegressorImpl::training_step(b, ctx);
+      }
+    } m;
+    const fs::path dir = scratch("bar_sigterm_last");
+    auto t = volt::make_trainer({.max_epochs = 1, .signals = {.exit_process = false}},
+                                volt::ModelCheckpoint({.dirpath = dir.string()}));
+    const std::string path = (dir / "interrupted.ckpt").string();
+    CHECK_THROWS_WITH(t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8})),
+                      Contains("(resume with fit(..., \"last\") or fit(..., \"" + path + "\"))."));
+  }
+}
+
 // ---- ModelCheckpoint -------------------------------------------------------------------------------------
 
 namespace {
@@ -269,6 +329,54 @@ TEST_CASE("ModelCheckpoint saves every n steps or epochs, names files from a tem
     CHECK_THROWS_WITH(plain.fit(m2, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, "last"),
                       Contains("ModelCheckpoint"));
   }
+}
+
+TEST_CASE("A fresh fit in a folder of another run's checkpoints warns once and replaces no last.ckpt it did not write",
+          "[checkpoint][model_checkpoint]") {
+  // Run A writes last.ckpt; run B, another model, starts afresh in the same folder. Reference: A's weights, read
+  // back from the file after B, and B's own weights.
+  auto [x, y] = vt::regression_data(32);
+  const fs::path dir = scratch("other_run_last");
+  auto last_of = [&](const fs::path& file) {
+    vt::Regressor r;
+    volt::checkpoint::load_module_state(*r, volt::checkpoint::read(file.string()).at("state_dict").toGenericDict());
+    return r;
+  };
+  auto run = [&](vt::Regressor& m, volt::ModelCheckpoint::Options o, const std::string& resume = "") {
+    o.dirpath = dir.string();
+    o.save_last = true;
+    auto t = volt::make_trainer({.max_epochs = resume.empty() ? 1 : 2}, volt::ModelCheckpoint(o));
+    CaptureCerr err;
+    resume.empty() ? (void)t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8}))
+                   : (void)t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, resume);
+    return err.str();
+  };
+  vt::Regressor a(0.05, /*seed=*/1);
+  CHECK(run(a, {}).empty());  // an empty folder: nothing to say
+  vt::Regressor b(0.05, /*seed=*/2);  // other first weights, so other weights at the end
+  REQUIRE_FALSE(same_weights(*a, *b));
+  const std::string said = run(b, {});
+  INFO(said);
+  CHECK_THAT(said, StartsWith("volt: ModelCheckpoint: the checkpoint folder " + dir.string() +
+                              " already holds 2 checkpoints of another run (epoch=0-step=4.ckpt, last.ckpt)"));
+  CHECK_THAT(said, Contains("fit(..., \"last\")") && Contains("last-v1.ckpt"));
+  CHECK(said.find("volt:", 1) == std::string::npos);  // once
+  CHECK(same_weights(*last_of(dir / "last.ckpt"), *a));  // A's last is A's still
+  CHECK(same_weights(*last_of(dir / "last-v1.ckpt"), *b));
+  CHECK(files_in(dir) ==
+        std::set<std::string>{"epoch=0-step=4.ckpt", "epoch=0-step=4-v1.ckpt", "last.ckpt", "last-v1.ckpt"});
+
+  // Resuming B's run (a second epoch) is B's run going on: it writes over B's last (last-v1.ckpt), warning nothing.
+  vt::Regressor b2;
+  CHECK_THAT(run(b2, {}, (dir / "last-v1.ckpt").string()), !Contains("ModelCheckpoint"));
+  CHECK(same_weights(*last_of(dir / "last-v1.ckpt"), *b2));
+  CHECK(same_weights(*last_of(dir / "last.ckpt"), *a));
+  CHECK(files_in(dir) == std::set<std::string>{"epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt", "last-v1.ckpt"});
+
+  // Said so: enable_version_counter=false replaces the files of the names it writes.
+  vt::Regressor c(0.05, /*seed=*/3);
+  CHECK_THAT(run(c, {.enable_version_counter = false}), Contains("enable_version_counter=false, so it replaces"));
+  CHECK(same_weights(*last_of(dir / "last.ckpt"), *c));
 }
 
 namespace {

@@ -126,6 +126,11 @@ struct WideImpl : torch::nn::Module {
   torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), 0.1); }
 };
 TORCH_MODULE(Wide);
+/// The Regressor with Adam instead of SGD.
+struct AdamRegressorImpl : vt::RegressorImpl {
+  torch::optim::Adam configure_optimizers() { return torch::optim::Adam(parameters()); }
+};
+TORCH_MODULE(AdamRegressor);
 }  // namespace
 
 TEST_CASE("every input the checkpoint fuzzer kept is refused with a CheckpointError", "[checkpoint][fuzz]") {
@@ -164,6 +169,25 @@ TEST_CASE("resuming checks the module, the loader and the optimizer before loadi
                     Contains("training loader cannot resume") && Contains("batch_size 8 in the state vs 6 here"));
   CHECK(same_weights(*other, *other_before));
 
+  SECTION("a checkpoint of one optimizer cannot resume another, in either direction") {
+    AdamRegressor adam;
+    volt::Trainer<> t3({.max_epochs = 1});
+    t3.fit(adam, volt::data::TensorLoader(x, y, {.batch_size = 8}));
+    t3.save_checkpoint((dir / "adam.ckpt").string());
+    vt::Regressor sgd;
+    volt::Trainer<> t4({.max_epochs = 2});
+    CHECK_THROWS_WITH(t4.fit(sgd, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{},
+                             (dir / "adam.ckpt").string()),
+                      StartsWith("volt: " + (dir / "adam.ckpt").string() + " holds the state of a torch::optim::Adam, "
+                                 "and a checkpoint of torch::optim::Adam cannot resume torch::optim::SGD: return a "
+                                 "torch::optim::Adam from configure_optimizers"));
+    AdamRegressor adam2;
+    const auto adam2_before = adam2->parameters()[0].clone();
+    volt::Trainer<> t5({.max_epochs = 2});
+    CHECK_THROWS_WITH(t5.fit(adam2, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, path),
+                      Contains("a checkpoint of torch::optim::SGD cannot resume torch::optim::Adam"));
+    CHECK(torch::equal(adam2->parameters()[0], adam2_before));  // nothing loaded
+  }
   SECTION("weights-only checkpoints load into a module and cannot resume a fit") {
     volt::Trainer<> t3({.max_epochs = 1});
     vt::Regressor m(0.05, 3);

@@ -12,6 +12,7 @@
 
 // What every Catch test file uses by its short name.
 using Catch::Matchers::Contains;
+using Catch::Matchers::StartsWith;
 namespace fs = std::filesystem;
 using vt::cat;
 using vt::index_dataset_loader;

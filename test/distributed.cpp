@@ -180,6 +180,39 @@ int fit_scenario_with(int accumulate, bool fused, double ema_decay, Callbacks...
   return failures == 0 ? 0 : 1;
 }
 
+// ---- max_time across ranks -------------------------------------------------------------------------------------
+
+/// max_time on 2 ranks whose steps take different times (rank 1's twice rank 0's): rank zero's clock decides for
+/// both, so they stop after the same batch, the checkpoint holds that step, and the fit returns on both.
+int max_time_scenario() {
+  struct Slow : NetImpl {
+    int rank = 0;
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(rank == 0 ? 20 : 40));
+      return NetImpl::training_step(b, ctx);
+    }
+  } net;
+  auto [x, y] = data(256);
+  const std::string dir = "/tmp/volt_dist_max_time_" + std::to_string(::getppid());
+  auto trainer = volt::make_trainer<volt::DDP<volt::Script, volt::Mpi>>(
+      {.devices = kWorld, .max_epochs = 4, .max_time = std::chrono::milliseconds(250), .default_root_dir = dir});
+  net.rank = trainer.strategy().global_rank();
+  volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
+  trainer.fit(net, loader);  // returns: no exception, no exit
+  const int64_t step = trainer.global_step();
+  const torch::Tensor steps = trainer.strategy().all_gather(torch::tensor({step}));
+  std::cout << "rank " << net.rank << " stopped at step " << step << std::endl;
+  check(steps.min().item<int64_t>() == steps.max().item<int64_t>(), "every rank stopped at the same step");
+  check(step > 0 && step < 4 * (256 / kWorld / kBatch), "the time limit stopped the fit before its end");
+  if (trainer.is_global_zero()) {
+    const auto loops = volt::checkpoint::read(dir + "/checkpoints/interrupted.ckpt").at("loops").toGenericDict();
+    check(loops.at("global_step").toInt() == step, "the checkpoint holds the step the fit stopped at");
+  }
+  trainer.strategy().barrier();
+  if (trainer.is_global_zero()) std::filesystem::remove_all(dir);
+  return failures == 0 ? 0 : 1;
+}
+
 // ---- manual optimization under DDP ---------------------------------------------------------------------------
 
 /// The net with manual optimization: SGD steps `a` and `b` on every batch (their parameters alone toggled on), Adam
@@ -618,6 +651,8 @@ const Mode kModes[] = {
        return spawn_given(a) ? predict_scenario<volt::Spawn>(world) : predict_scenario<volt::Script>(world);
      }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
+    {"max-time", ": max_time on 2 ranks stepping at different speeds: both stop after the same batch",
+     [](const std::vector<std::string>&) { return max_time_scenario(); }},
     {"gpu-ddp", "<script|spawn>: DDP over NCCL at world size 1 against SingleDevice on the GPU",
      [](const std::vector<std::string>& a) {
        return spawn_given(a) ? gpu_ddp_scenario<volt::Spawn>() : gpu_ddp_scenario<volt::Script>();

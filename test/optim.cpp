@@ -202,6 +202,27 @@ TEST_CASE("volt::optim takes LibTorch's own step where no fused kernel applies: 
   CHECK(torch::equal(got.index({0}), initial.index({0})));   // the others did not
 }
 
+TEST_CASE("step_on_device refuses a gradient no fused kernel can step, naming the optimizer it was called on",
+          "[optim]") {
+  auto message = [](auto make) {
+    torch::nn::Embedding e(torch::nn::EmbeddingOptions(10, 3).sparse(true));
+    auto opt = make(e->parameters());
+    e(torch::tensor({1, 4})).sum().backward();  // a sparse gradient, on every LibTorch line
+    try {
+      opt.step_on_device();
+    } catch (const std::logic_error& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  const auto adam = message([](std::vector<torch::Tensor> p) { return volt::optim::Adam(p); });
+  const auto adamw = message([](std::vector<torch::Tensor> p) { return volt::optim::AdamW(p); });
+  const auto sgd = message([](std::vector<torch::Tensor> p) { return volt::optim::SGD(p, 0.1); });
+  CHECK_THAT(adam, StartsWith("volt: volt::optim::Adam::step_on_device needs LibTorch's fused kernels"));
+  CHECK_THAT(adamw, StartsWith("volt: volt::optim::AdamW::step_on_device needs LibTorch's fused kernels"));
+  CHECK_THAT(sgd, StartsWith("volt: volt::optim::SGD::step_on_device needs LibTorch's fused kernels"));
+}
+
 TEST_CASE("on LibTorch 2.4 and later the CPU step is the fused kernel", "[optim]") {
   Net n;
   volt::optim::Adam opt(n->parameters());
@@ -408,6 +429,11 @@ TEST_CASE("graph mode trains as the eager Trainer does: accumulation, clipping, 
   CHECK(graph_steps.logged == eager_steps.logged);  // and what ctx.log recorded, read back after each replay
   CHECK(graph_metrics == eager_metrics);        // the epoch mean and max, the last step's value
   CHECK(graph_metrics.count("peak") == 1);
+}
+
+TEST_CASE("graph mode refuses detect_anomaly, which reads gradients on the host", "[optim][config]") {
+  CHECK_THROWS_WITH((volt::Trainer<volt::SingleDevice, volt::Fp32, volt::Graphed<RerunCPU>>({.detect_anomaly = true})),
+                    StartsWith("volt: detect_anomaly=true with graph mode"));
 }
 
 TEST_CASE("graph mode: a checkpoint taken in graph mode resumes in graph mode as if never stopped", "[optim]") {

@@ -7,6 +7,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
+#include <numeric>
+#include <chrono>
 
 #include <unistd.h>
 
@@ -507,6 +510,7 @@ TEST_CASE("run-time settings are checked before anything runs", "[trainer][confi
   CHECK_THROWS_WITH(T({.check_val_every_n_epoch = 0}), Contains("check_val_every_n_epoch=0"));
   CHECK_THROWS_WITH(T({.devices = 2}), Contains("devices=2") && Contains("DDP"));
   CHECK_THROWS_WITH(T({.devices = 0}), Contains("devices=0"));
+  CHECK_THROWS_WITH(T({.max_time = std::chrono::seconds(0)}), StartsWith("volt: max_time=0ms is not allowed"));
   CHECK_THROWS_AS(T({.max_epochs = -2}), volt::ConfigError);
   CHECK_NOTHROW(T({.max_epochs = -1, .max_steps = 10, .limit_train_batches = 0.25}));
   if (!torch::cuda::is_available()) {
@@ -555,6 +559,22 @@ TEST_CASE("a training step's exception reaches the caller and callbacks' on_exce
   CHECK(seen);
 }
 
+TEST_CASE("a failing predict reaches callbacks' on_exception, as fit, validate and test do", "[trainer]") {
+  struct Boom : vt::RegressorImpl {
+    torch::Tensor predict_step(const torch::data::Example<>&, volt::Context& ctx) {
+      if (ctx.batch_idx() == 1) throw std::runtime_error("boom in predict");
+      return torch::zeros({1});
+    }
+  } m;
+  bool seen = false;
+  auto [x, y] = vt::regression_data(16);
+  auto t = volt::make_trainer({}, SeenException{&seen});
+  CHECK_THROWS_WITH(t.predict(m, make_loader(x, y, 4)), Contains("predict_step failed in predict batch 1") &&
+                                                            Contains("boom in predict"));
+  CHECK(seen);
+  CHECK(m.is_training());  // the module's mode is given back as after a predict that ends
+}
+
 TEST_CASE("an exception from a module's step says the step, the stage, the epoch and the batch", "[trainer]") {
   // Labels out of range in epoch 1, batch 2: torch's own "Target 10 is out of bounds." with where it happened.
   using volt::Stage;
@@ -596,6 +616,18 @@ TEST_CASE("an exception from a module's step says the step, the stage, the epoch
                          Contains("Target 10 is out of bounds"));
     CHECK_THAT(inner, Contains("Target 10 is out of bounds"));  // torch's own error, nested
     CHECK(t.global_step() == 6);
+    // One line: LibTorch 1.x's C++ backtrace ("Exception raised from ...", ~20 frames) stays in the nested error.
+    CHECK(what.find('\n') == std::string::npos);
+    CHECK_THAT(what, !Contains("Exception raised from"));
+  }
+  SECTION("TORCH_SHOW_CPP_STACKTRACES=1 keeps LibTorch's whole message, backtrace and all") {
+    Labels m;
+    volt::Trainer<> t({.max_epochs = 3});
+    setenv("TORCH_SHOW_CPP_STACKTRACES", "1", 1);
+    const auto [what, inner] = message([&] { t.fit(m, make_loader(x, y, 8)); });
+    unsetenv("TORCH_SHOW_CPP_STACKTRACES");
+    CHECK_THAT(what, StartsWith("volt: training_step failed in epoch 1, batch 2 (global step 6): ") &&
+                         Catch::Matchers::EndsWith(inner));
   }
   SECTION("validation_step, in the fit and in its sanity check") {
     Labels m;
@@ -635,4 +667,116 @@ TEST_CASE("an empty training or validation loader is said when fit starts", "[tr
   CHECK(t.global_step() == 0);
   CHECK_THAT(val_msg, Contains("validation loader given to fit is empty"));
   CHECK(t2.global_step() == 4);  // training still runs
+}
+
+TEST_CASE("detect_anomaly: a backward that makes NaN fails at once, naming the forward op; off, training goes on",
+          "[trainer]") {
+  // sqrt of a negative number: NaN forward, and SqrtBackward0 gives NaN gradients.
+  struct NegativeRoot : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+      return torch::sqrt(forward(b.data).mean() - 1e3);
+    }
+  };
+  auto [x, y] = vt::regression_data(16);
+  NegativeRoot plain;
+  volt::Trainer<>({.max_epochs = 1}).fit(plain, make_loader(x, y, 8));
+  CHECK(torch::isnan(plain.parameters()[0]).any().item<bool>());  // trained on with NaN
+
+  NegativeRoot watched;
+  volt::Trainer<> t({.max_epochs = 1, .detect_anomaly = true});
+  CHECK_THROWS_WITH(t.fit(watched, make_loader(x, y, 8)),
+                    StartsWith("volt: the backward pass of training_step's loss failed in epoch 0, batch 0") &&
+                        Contains("Function 'SqrtBackward0' returned nan values") &&
+                        Contains("(the gradient of the forward op sqrt)"));
+  CHECK_FALSE(torch::isnan(watched.parameters()[0]).any().item<bool>());  // no step was taken
+  CHECK_FALSE(torch::autograd::AnomalyMode::is_enabled());                // the mode ends with the fit
+}
+
+TEST_CASE("max_time: the fit stops at a batch boundary with a checkpoint, returns, and resumes exactly",
+          "[trainer][signals]") {
+  // 40 ms steps against a 300 ms limit: the stop comes after a few batches of the 30 (3 epochs of 10). Reference:
+  // the same fit without a limit; the run resumed from the time-up checkpoint must end bit-identical to it.
+  struct Slow : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));
+      return vt::RegressorImpl::training_step(b, ctx);
+    }
+  };
+  auto [x, y] = vt::regression_data(80);
+  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = 8, .shuffle = true, .seed = 3}); };
+  const fs::path dir = scratch("max_time");
+  torch::manual_seed(4);
+  Slow ref;
+  torch::manual_seed(4);
+  Slow run;
+  volt::Trainer<>({.max_epochs = 3}).fit(ref, loader());
+
+  volt::Trainer<> t({.max_epochs = 3, .max_time = std::chrono::milliseconds(300), .default_root_dir = dir.string()});
+  CaptureCerr err;
+  REQUIRE_NOTHROW(t.fit(run, loader()));
+  const std::string path = (dir / "checkpoints" / "interrupted.ckpt").string();
+  const int64_t stopped = t.global_step();
+  CHECK(stopped >= 1);
+  CHECK(stopped < 30);
+  CHECK_THAT(err.str(), StartsWith("volt: max_time (00:00) reached; stopped at epoch " +
+                                   std::to_string(t.current_epoch()) + ", step " + std::to_string(stopped) +
+                                   " and saved " + path + " (resume with fit(..., \"" + path + "\"))."));
+  const auto loops = volt::checkpoint::read(path).at("loops").toGenericDict();
+  CHECK(loops.at("global_step").toInt() == stopped);
+  CHECK(loops.at("time_elapsed").toDouble() >= 0.3);
+
+  // The time of the fit it resumes from counts: with the same limit, one more batch and it stops again.
+  Slow again;
+  volt::Trainer<> t2({.max_epochs = 3, .max_time = std::chrono::milliseconds(300), .default_root_dir = (dir / "b").string()});
+  t2.fit(again, loader(), volt::NoLoader{}, path);
+  CHECK(t2.global_step() == stopped + 1);
+  // Without a limit the rest of the fit runs, and ends as the fit that never stopped.
+  Slow rest;
+  volt::Trainer<> t3({.max_epochs = 3});
+  t3.fit(rest, loader(), volt::NoLoader{}, path);
+  CHECK(t3.global_step() == 30);
+  CHECK(same_weights(rest, ref));
+}
+
+TEST_CASE("overfit_batches: the same first batches, in order, for training and validation in every epoch",
+          "[trainer]") {
+  // Sample i has i in its first column; 40 samples, batches of 4, both loaders shuffled. Known answer: every epoch
+  // trains on samples 0..7 and validates on 0..7, in that order; the loaders shuffle again after the fit.
+  struct Seen : vt::RegressorImpl {
+    std::vector<int64_t> trained, validated;
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      for (int64_t i = 0; i < b.data.size(0); ++i) trained.push_back(b.data[i][0].item<int64_t>());
+      return vt::RegressorImpl::training_step(b, ctx);
+    }
+    void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      for (int64_t i = 0; i < b.data.size(0); ++i) validated.push_back(b.data[i][0].item<int64_t>());
+      vt::RegressorImpl::validation_step(b, ctx);
+    }
+  } m;
+  auto x = torch::zeros({40, 4});
+  x.select(1, 0).copy_(torch::arange(40));
+  const auto y = torch::zeros({40, 1});
+  volt::data::TensorLoader train(x, y, {.batch_size = 4, .shuffle = true, .seed = 1});
+  volt::data::TensorLoader val(x, y, {.batch_size = 4, .shuffle = true, .seed = 2});
+  CaptureCerr err;
+  volt::Trainer<> t({.max_epochs = 3, .overfit_batches = 2, .num_sanity_val_steps = 0});
+  t.fit(m, train, val);
+  std::vector<int64_t> first8(8);
+  std::iota(first8.begin(), first8.end(), 0);
+  std::vector<int64_t> want;
+  for (int e = 0; e < 3; ++e) want.insert(want.end(), first8.begin(), first8.end());
+  CHECK(m.trained == want);
+  CHECK(m.validated == want);
+  CHECK(t.global_step() == 6);
+  CHECK_THAT(err.str(), Contains("overfit_batches: the training loader shuffles; the fit turns that off") &&
+                            Contains("the validation loader shuffles"));
+  CHECK(train.options().shuffle);  // given back as it was
+  CHECK(val.options().shuffle);
+
+  using T = volt::Trainer<>;
+  CHECK_THROWS_WITH(T({.limit_train_batches = 3, .overfit_batches = 2}),
+                    StartsWith("volt: overfit_batches with limit_train_batches or limit_val_batches is not allowed"));
+  CHECK_THROWS_WITH(T({.overfit_batches = 2, .fast_dev_run = 1}),
+                    StartsWith("volt: overfit_batches with fast_dev_run is not allowed"));
+  CHECK_THROWS_WITH(T({.overfit_batches = 1.5}), Contains("overfit_batches=1.5"));
 }

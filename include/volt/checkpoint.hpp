@@ -34,13 +34,20 @@
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <torch/csrc/api/include/torch/version.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 #include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 #include <torch/serialize.h>  // torch::pickle_save / pickle_load
@@ -63,6 +70,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 namespace volt {
@@ -160,6 +168,25 @@ inline void check_writable(const std::string& folder, std::uintmax_t min_bytes, 
     fail("the disk has " + std::to_string(room.available) + " bytes free and one checkpoint needs at least " +
          std::to_string(min_bytes) + " (the weights alone)");
   }
+}
+
+/// Whether two paths name the same file or folder (as absolute, normalised paths; neither need exist).
+inline bool same_path(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  return std::filesystem::weakly_canonical(std::filesystem::absolute(a), ec) ==
+         std::filesystem::weakly_canonical(std::filesystem::absolute(b), ec);
+}
+
+/// Where a run writes `<stem>.ckpt` in `folder` without replacing another run's file (Lightning's version counter):
+/// the name itself while no file has it or `own(path)` says this run wrote it (or resumed from it), else the first
+/// free `<stem>-v1.ckpt`, `<stem>-v2.ckpt`, ...; with `versioned` false, always the name itself.
+template <class Own>
+std::string free_checkpoint_path(const std::filesystem::path& folder, const std::string& stem, bool versioned, Own&& own) {
+  std::string candidate = (folder / (stem + ".ckpt")).string();
+  for (int v = 1; versioned && std::filesystem::exists(candidate) && !own(candidate); ++v) {
+    candidate = (folder / (stem + "-v" + std::to_string(v) + ".ckpt")).string();
+  }
+  return candidate;
 }
 
 /// Stamps `contents` with the format, the versions and its checksum, and writes it atomically.
@@ -318,12 +345,25 @@ inline void load_module_state(torch::nn::Module& module, const Dict& state) {
   }
 }
 
+/// The LibTorch optimizer class whose state `optimizer` keeps ("torch::optim::Adam" for volt::optim::Adam too, whose
+/// state is LibTorch's), or the type's own name for an optimizer of another family.
+inline std::string optimizer_kind(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) return "torch::optim::AdamW";
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return "torch::optim::Adam";
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr) return "torch::optim::SGD";
+  if (dynamic_cast<const torch::optim::RMSprop*>(&optimizer) != nullptr) return "torch::optim::RMSprop";
+  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer) != nullptr) return "torch::optim::Adagrad";
+  if (dynamic_cast<const torch::optim::LBFGS*>(&optimizer) != nullptr) return "torch::optim::LBFGS";
+  return c10::demangle(typeid(optimizer).name());
+}
+
 /// An optimizer's LibTorch archive (its state and its parameter groups' options) as bytes in a uint8 tensor.
 /// LibTorch's optimizer archives do not bring the groups' options (learning rates, ...) back on load, so
-/// they travel alongside, under "volt_param_group_options".
+/// they travel alongside, under "volt_param_group_options"; the optimizer's kind under "volt_optimizer".
 inline at::Tensor optimizer_state(const torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive;
   optimizer.save(archive);
+  archive.write("volt_optimizer", c10::IValue(optimizer_kind(optimizer)));
   torch::serialize::OutputArchive groups;
   for (std::size_t i = 0; i < optimizer.param_groups().size(); ++i) {
     torch::serialize::OutputArchive g;
@@ -348,6 +388,14 @@ inline void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::T
       device = optimizer.param_groups()[0].params()[0].device();
     }
     archive.load_from(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel()), device);
+    c10::IValue kind;  // absent from files written before it was recorded
+    if (archive.try_read("volt_optimizer", kind) && kind.isString() && kind.toStringRef() != optimizer_kind(optimizer)) {
+      const std::string saved = kind.toStringRef();
+      throw CheckpointError("volt: " + path + " holds the state of a " + saved + ", and a checkpoint of " + saved +
+                            " cannot resume " + optimizer_kind(optimizer) + ": return a " + saved +
+                            " from configure_optimizers to resume it, or start a new fit from its weights alone "
+                            "(volt::load_weights). Nothing was loaded.");
+    }
     optimizer.load(archive);
     torch::serialize::InputArchive groups;
     if (archive.try_read("volt_param_group_options", groups)) {
@@ -360,6 +408,8 @@ inline void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::T
   };
   try {
     load(bytes);
+  } catch (const CheckpointError&) {
+    throw;  // another optimizer's kind: refused before anything was loaded
   } catch (const std::exception& e) {
     load(backup);
     throw CheckpointError("volt: the optimizer state in " + path + " does not fit this optimizer (" +

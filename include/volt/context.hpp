@@ -15,13 +15,16 @@
 #include "volt/errors.hpp"
 #include "volt/options.hpp"
 
+#include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>
 #include <torch/types.h>
 
+#include <cctype>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <map>
 #include <optional>
@@ -107,6 +110,30 @@ struct LoopState {
   ManualOptimization* manual = nullptr;              // the fit's manual step, under manual optimization
 };
 
+/// An exception's message for a StepError: LibTorch's errors without the C++ backtrace LibTorch 1.x appends to
+/// every message (twenty frames for "Target 10 is out of bounds"), unless `TORCH_SHOW_CPP_STACKTRACES=1` asks for
+/// it, as LibTorch 2.x does; the nested original keeps it either way.
+/// Anomaly mode's "Function 'LogSoftmaxBackward0' returned nan values ..." also names the forward op
+/// (log_softmax), which is what a module's code calls.
+inline std::string step_error_message(const std::exception& e) {
+  std::string message = e.what();
+  if (const auto* torch_error = dynamic_cast<const c10::Error*>(&e)) {
+    const char* show = std::getenv("TORCH_SHOW_CPP_STACKTRACES");
+    if (show == nullptr || std::string_view(show) != "1") message = torch_error->what_without_backtrace();
+  }
+  const std::size_t at = message.find("Function '"), end = message.find("Backward", at);
+  if (at != std::string::npos && end != std::string::npos && message.find("returned nan values") != std::string::npos) {
+    std::string op;  // CamelCase to snake_case: MseLoss -> mse_loss
+    for (std::size_t i = at + 10; i < end; ++i) {
+      const char c = message[i];
+      if (std::isupper(static_cast<unsigned char>(c)) && i > at + 10) op += '_';
+      op += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
+    message += " (the gradient of the forward op " + op + ")";
+  }
+  return message;
+}
+
 /// Runs a module's step `f`; an exception from it comes out as a StepError that says where, with the original
 /// nested (`step`: "training_step", ...).
 template <class F>
@@ -127,7 +154,7 @@ decltype(auto) run_module_step(const LoopState& state, const char* step, F&& f) 
       }
     }
     if (state.world_size > 1) where += " on rank " + std::to_string(state.global_rank);
-    std::throw_with_nested(StepError(where + ": " + e.what()));
+    std::throw_with_nested(StepError(where + ": " + step_error_message(e)));
   }
 }
 

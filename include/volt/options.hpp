@@ -7,6 +7,7 @@
 #include "volt/errors.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cmath>
 #include <concepts>
@@ -31,6 +32,8 @@ class Limit {
   static constexpr Limit all() { return Limit(1.0); }
 
   constexpr bool is_fraction() const { return is_fraction_; }
+  /// No batches at all (0 or 0.0).
+  constexpr bool is_zero() const { return is_fraction_ ? fraction_ == 0.0 : count_ == 0; }
   constexpr int64_t count() const { return count_; }
   constexpr double fraction() const { return fraction_; }
 
@@ -122,12 +125,21 @@ struct TrainerOptions {
   int64_t max_steps = -1;
   /// Run at least this many optimizer steps before a stop request takes effect.
   int64_t min_steps = 0;
+  /// Stop training after this much time (`std::chrono::hours(12)`, `90min`), as Lightning's `max_time`: at the first
+  /// training batch boundary after it (rank zero's clock decides for every rank, in the collective stop signals
+  /// use), the fit writes a checkpoint as at a stop signal (SignalOptions) and returns as a finished fit does. The
+  /// time of the fits it resumed from counts too (it is saved in checkpoints). Unset: no limit.
+  std::optional<std::chrono::milliseconds> max_time;
 
   /// Batches used per epoch / per evaluation run: an integer count or a fraction of the loader.
   Limit limit_train_batches = Limit::all();
   Limit limit_val_batches = Limit::all();
   Limit limit_test_batches = Limit::all();
   Limit limit_predict_batches = Limit::all();
+  /// Train and validate on this many batches (or this fraction) of each loader, the same ones every epoch (their
+  /// shuffling off for the fit), to check that a model can drive its loss to zero: Lightning's `overfit_batches`.
+  /// 0: off. It sets limit_train_batches and limit_val_batches, which are then left unset.
+  Limit overfit_batches = 0;
 
   /// Validate every this many training batches (integer) or this fraction of the training epoch.
   Limit val_check_interval = Limit::all();
@@ -154,6 +166,9 @@ struct TrainerOptions {
   std::optional<bool> benchmark;
   /// Seed every generator at the start of each run (torch's CPU and CUDA generators, loaders' shuffling).
   std::optional<uint64_t> seed;
+  /// LibTorch's anomaly mode while fitting (`torch::autograd::DetectAnomalyGuard`): a backward that makes NaN fails
+  /// at once, naming the op whose gradient it computed, instead of training on. Slow; for finding a NaN's source.
+  bool detect_anomaly = false;
 
   /// Evaluate under `torch::InferenceMode` (true) or `torch::NoGradGuard` (false).
   bool inference_mode = true;
@@ -199,10 +214,25 @@ inline void validate_options(const TrainerOptions& o) {
   require(o.max_steps >= -1,
           quote("max_steps", o.max_steps) + " is not allowed: give -1 (no step limit) or a number >= 0.");
   require(o.min_steps >= 0, quote("min_steps", o.min_steps) + " is not allowed: give a number >= 0.");
+  if (o.max_time) {
+    require(o.max_time->count() > 0, "max_time=" + std::to_string(o.max_time->count()) +
+                                         "ms is not allowed: give a positive duration (std::chrono::minutes(30)), "
+                                         "or leave it unset for no time limit.");
+  }
   o.limit_train_batches.check("limit_train_batches", 0, 0.0);
   o.limit_val_batches.check("limit_val_batches", 0, 0.0);
   o.limit_test_batches.check("limit_test_batches", 0, 0.0);
   o.limit_predict_batches.check("limit_predict_batches", 0, 0.0);
+  o.overfit_batches.check("overfit_batches", 0, 0.0);
+  if (!o.overfit_batches.is_zero()) {
+    auto unset = [](const Limit& l) { return l.is_fraction() && l.fraction() == 1.0; };
+    require(unset(o.limit_train_batches) && unset(o.limit_val_batches),
+            "overfit_batches with limit_train_batches or limit_val_batches is not allowed: overfit_batches sets both "
+            "(the same batches for training and validation). Leave the limits unset, or set overfit_batches=0.");
+    require(o.fast_dev_run == 0, "overfit_batches with fast_dev_run is not allowed: each sets the batch limits. Choose "
+                                 "one (fast_dev_run runs n batches once; overfit_batches trains on n batches for every "
+                                 "epoch).");
+  }
   o.val_check_interval.check("val_check_interval", 1, 0.0, /*fraction_may_be_min=*/false);
   if (o.check_val_every_n_epoch) {
     require(*o.check_val_every_n_epoch >= 1,

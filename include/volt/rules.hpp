@@ -164,8 +164,9 @@ struct CheckedSlots {
                 "this accelerator has no graph type (A::graph_type), so its steps cannot be captured.");
   static_assert(first_broken_rule<S, P, A>() != Rule::graph_compiled,
                 "volt: build against a LibTorch with CUDA (pip's torch, or PyTorch's LibTorch archive for CUDA) through "
-                "volt's CMake target, which defines VOLT_WITH_CUDA=1, or use the GPU without Graphed: CUDA graphs are "
-                "not compiled in (VOLT_WITH_CUDA is 0).");
+                "volt's CMake target, which defines VOLT_WITH_CUDA=1, or train on volt::CPU: this accelerator's graphs "
+                "are not compiled in (for the GPU: VOLT_WITH_CUDA is 0), and a build without CUDA runs neither CUDA "
+                "graphs nor the GPU.");
   static_assert(first_broken_rule<S, P, A>() != Rule::fp16_autocast,
                 "volt: use Bf16Mixed or Fp32 on the CPU, or the GPU accelerator for Fp16Mixed: this precision "
                 "autocasts to float16, which the accelerator does not offer (CPU has no float16 autocast).");

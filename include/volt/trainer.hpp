@@ -199,6 +199,8 @@ class Trainer {
   int64_t num_eval_batches() const { return num_eval_batches_; }
   /// Whether fast_dev_run's short run is in effect (callbacks that write files skip it).
   bool fast_dev_run() const { return options_.fast_dev_run > 0; }
+  /// Whether overfit_batches is in effect (the same batches every epoch).
+  bool overfits() const { return !options_.overfit_batches.is_zero(); }
   /// Whether a fit is running (callbacks that act only while fitting ask).
   bool fitting() const { return fitting_; }
   /// Whether the running (or last) fit validates at all.
@@ -275,6 +277,8 @@ class Trainer {
   template <class B>
   void enter_batch(const B& batch, int64_t batch_idx);
   void leave_batch();
+  template <class Impl, class Body, class Cleanup>
+  decltype(auto) guarded(Impl& module, Body&& body, Cleanup&& cleanup);
   template <class B, class F>
   decltype(auto) with_device_batch(B& batch, F&& f);
   template <class B, class F>
@@ -291,6 +295,8 @@ class Trainer {
   void run_fit(Impl& module, TL& train, VL* val, const std::string& ckpt_path);
   template <class Impl, class TL, class VL>
   void fit_loop(Impl& module, Context& ctx, TL& train, VL* val, std::optional<detail::ResumePoint> resume);
+  template <class Impl, class Step, class TL, class VL>
+  void train_epoch(Impl& module, Context& ctx, Step& step, TL& train, VL* val, std::optional<detail::ResumePoint>& resume);
   template <class TL, class VL>
   void resolve_fit_sizes(TL& train, VL* val);
   void check_manual_options() const;
@@ -299,7 +305,7 @@ class Trainer {
   bool fit_done() const;
   bool should_check_val(int64_t batch_idx, bool is_last) const;
   void close_epoch();
-  void stop_on_signal();
+  void stop_if_asked();
   std::string signal_checkpoint_path() const;
   template <class Impl, class VL>
   void run_validation(Impl& module, VL* val);
@@ -351,17 +357,12 @@ class Trainer {
   std::vector<detail::ScheduledOptimizer> optim_;
   /// The module's parameters (clipping, accumulated gradients in checkpoints).
   std::vector<torch::Tensor> params_;
-  /// max_epochs in effect (-1: until max_steps).
-  int64_t max_epochs_ = 1000;
-  /// Training batches per epoch (-1: until the loader ends).
-  int64_t num_training_batches_ = -1;
-  /// Validation batches per run (-1: until the loader ends; 0: the fit does not validate).
-  int64_t num_val_batches_ = 0;
-  /// Batches of the running (or last) evaluation run.
-  int64_t num_eval_batches_ = 0;
+  int64_t max_epochs_ = 1000;  // max_epochs in effect (-1: until max_steps)
+  int64_t num_training_batches_ = -1;  // training batches per epoch (-1: until the loader ends)
+  int64_t num_val_batches_ = 0;  // validation batches per run (-1: until the loader ends; 0: no validation)
+  int64_t num_eval_batches_ = 0;  // batches of the running (or last) evaluation run
   std::function<torch::Tensor(int64_t)> batch_indices_;  // set while predict runs
-  /// Training batches between validations (-1: at the epoch's end).
-  int64_t val_check_batch_ = -1;
+  int64_t val_check_batch_ = -1;  // training batches between validations (-1: at the epoch's end)
   /// Batch counters, where the loop stands inside an epoch, and the stop request.
   detail::FitProgress progress_;
 

@@ -4,6 +4,7 @@
 #include "volt/checkpoint.hpp"
 #include "volt/context.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -31,7 +32,9 @@ namespace volt {
 ///    `"{epoch}-{step}-{val_loss:.3f}"` (→ `epoch=2-step=300-val_loss=0.123.ckpt`; `auto_insert_metric_name`
 ///    adds the `name=`; an integer spec such as `{epoch:03d}` or a floating one such as `{val_loss:.2e}` is a
 ///    printf conversion; a metric without one is printed with 4 decimals). An existing file of another
-///    run is not overwritten: the name gets `-v1`, `-v2`, ...
+///    run is not overwritten: the name gets `-v1`, `-v2`, ... (`last.ckpt` and a stop signal's
+///    `interrupted.ckpt` too: `last-v1.ckpt`), unless `enable_version_counter` is false. A fit that starts afresh
+///    in a folder holding checkpoints says so once, naming the folder and the files.
 /// Only rank zero writes and deletes files; every rank takes part in a save (the Trainer gathers each
 /// rank's random generator state). Its own state (best score and path, the top k, the last step saved)
 /// goes into each checkpoint, so a resumed fit keeps ranking against the earlier checkpoints.
@@ -63,6 +66,9 @@ class ModelCheckpoint {
     /// Unset: true when there is no validation, or it runs once at the end of every epoch.
     std::optional<bool> save_on_train_epoch_end;
     bool auto_insert_metric_name = true;
+    /// Keep another run's file that has the name a checkpoint would get, naming the new one `-v1`, `-v2`, ...
+    /// (false: replace it).
+    bool enable_version_counter = true;
     bool verbose = false;
   };
 
@@ -122,6 +128,7 @@ class ModelCheckpoint {
     global_zero_ = trainer.is_global_zero();
     warned_missing_monitor_ = false;
     if (!global_zero_ || trainer.fast_dev_run()) return;
+    if (trainer.ckpt_path().empty()) warn_if_folder_holds_checkpoints();
     std::uintmax_t weights = 0;
     for (const auto& t : module.parameters()) weights += t.nbytes();
     for (const auto& t : module.buffers()) weights += t.nbytes();
@@ -177,10 +184,12 @@ class ModelCheckpoint {
     return newest;
   }
 
-  /// Where a stop signal's checkpoint goes (the Trainer writes it; `find_last_checkpoint` finds it).
+  /// Where a stop signal's checkpoint goes (the Trainer writes it; `find_last_checkpoint` finds it): `interrupted.ckpt`,
+  /// or `interrupted-v1.ckpt`, ... where another run's file has that name.
   template <class T>
   std::string signal_checkpoint_path(const T& trainer) const {
-    return (folder(trainer) / (std::string(kInterruptedName) + kExtension)).string();
+    return checkpoint::free_checkpoint_path(folder(trainer), kInterruptedName, options_.enable_version_counter,
+                                            [&](const std::string& p) { return resumed_from(trainer, p); });
   }
 
   /// Its best checkpoint: the one it knows, or in a new process the best its newest checkpoint records
@@ -223,7 +232,7 @@ class ModelCheckpoint {
     }
     last_global_step_saved_ = d.at("last_global_step_saved").toInt();
     const std::string saved_dir = d.contains("dirpath") ? d.at("dirpath").toStringRef() : dirpath();
-    if (!same_folder(saved_dir, dirpath())) {
+    if (!checkpoint::same_path(saved_dir, dirpath())) {
       if (global_zero_) {
         std::cerr << "volt: ModelCheckpoint: the checkpoint folder changed from " << saved_dir << " to " << dirpath()
                   << "; only best_model_path is taken over (not the best k, their scores or the last path), and "
@@ -313,24 +322,44 @@ class ModelCheckpoint {
     return buf;
   }
 
-  /// Whether two folder names are the same folder (as absolute, normalised paths; neither need exist).
-  static bool same_folder(const std::string& a, const std::string& b) {
-    std::error_code ec;
-    return std::filesystem::weakly_canonical(std::filesystem::absolute(a), ec) ==
-           std::filesystem::weakly_canonical(std::filesystem::absolute(b), ec);
+  /// Whether the running fit resumed from `path`.
+  template <class T>
+  static bool resumed_from(const T& trainer, const std::string& path) {
+    return !trainer.ckpt_path().empty() && checkpoint::same_path(path, trainer.ckpt_path());
   }
 
   /// Whether `previous` may be deleted: a file inside its own folder, and not the one the fit resumed from.
   template <class T>
   bool may_remove(const T& trainer, const std::string& previous) const {
-    if (previous.empty()) return false;
+    if (previous.empty() || resumed_from(trainer, previous)) return false;
     std::error_code ec;
     const auto file = std::filesystem::weakly_canonical(std::filesystem::absolute(previous), ec);
-    if (!trainer.ckpt_path().empty() &&
-        file == std::filesystem::weakly_canonical(std::filesystem::absolute(trainer.ckpt_path()), ec)) {
-      return false;
+    return checkpoint::same_path(file.parent_path().string(), dirpath_);
+  }
+
+  /// A fresh fit's warning (rank zero, once) when its folder already holds checkpoints: the files, and what
+  /// becomes of them.
+  void warn_if_folder_holds_checkpoints() const {
+    std::vector<std::string> names;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dirpath_, ec)) {
+      if (e.is_regular_file() && e.path().extension() == kExtension) names.push_back(e.path().filename().string());
     }
-    return same_folder(file.parent_path().string(), dirpath_);
+    if (names.empty()) return;
+    std::sort(names.begin(), names.end());
+    std::ostringstream s;
+    s << "volt: ModelCheckpoint: the checkpoint folder " << dirpath_ << " already holds " << names.size()
+      << " checkpoint" << (names.size() == 1 ? "" : "s") << " of another run (";
+    for (std::size_t i = 0; i < names.size() && i < 5; ++i) s << (i > 0 ? ", " : "") << names[i];
+    if (names.size() > 5) s << " and " << names.size() - 5 << " more";
+    s << ") and this fit starts afresh: ";
+    if (options_.enable_version_counter) {
+      s << "it replaces none of them, naming its own files -v1, -v2, ... where a name is taken (last-v1.ckpt).";
+    } else {
+      s << "enable_version_counter=false, so it replaces any of them whose name it writes.";
+    }
+    s << " To go on from them, fit(..., \"last\"); to keep runs apart, give each its own dirpath or default_root_dir.\n";
+    std::cerr << s.str();
   }
 
   bool better(double a, double b) const { return options_.mode == Mode::min ? a < b : a > b; }
@@ -338,14 +367,13 @@ class ModelCheckpoint {
     return options_.mode == Mode::min ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
   }
 
-  // A free path for `name` in the folder: an existing file this callback did not write gets -v1, -v2, ...
-  std::string free_path(const std::string& name) const {
-    const std::filesystem::path dir(dirpath_);
-    std::string candidate = (dir / (name + kExtension)).string();
-    for (int v = 1; std::filesystem::exists(candidate) && !best_k_.count(candidate) && candidate != best_model_path_; ++v) {
-      candidate = (dir / (name + "-v" + std::to_string(v) + kExtension)).string();
-    }
-    return candidate;
+  /// A path for `name` in the folder: an existing file this callback did not write (nor the fit resume from) gets
+  /// -v1, -v2, ...
+  template <class T>
+  std::string free_path(const T& trainer, const std::string& name) const {
+    return checkpoint::free_checkpoint_path(dirpath_, name, options_.enable_version_counter, [&](const std::string& p) {
+      return best_k_.count(p) > 0 || p == best_model_path_ || p == last_model_path_ || resumed_from(trainer, p);
+    });
   }
 
   template <class T>
@@ -355,7 +383,7 @@ class ModelCheckpoint {
     std::vector<std::string> remove;
     std::string written;
     if (options_.save_top_k != 0) {
-      const std::string path = free_path(format_name(trainer.current_epoch(), trainer.global_step(), metrics));
+      const std::string path = free_path(trainer, format_name(trainer.current_epoch(), trainer.global_step(), metrics));
       if (!options_.monitor) {
         if (options_.save_top_k == 1 && !best_model_path_.empty() && best_model_path_ != path) remove.push_back(best_model_path_);
         best_model_path_ = path;
@@ -391,7 +419,7 @@ class ModelCheckpoint {
       }
     }
     std::string last;
-    if (options_.save_last) last = (std::filesystem::path(dirpath_) / (std::string(kLastName) + kExtension)).string();
+    if (options_.save_last) last = free_path(trainer, kLastName);
     if (!written.empty()) trainer.save_checkpoint(written, options_.save_weights_only);
     if (!last.empty()) {
       last_model_path_ = last;

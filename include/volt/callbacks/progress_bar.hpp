@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -78,11 +79,24 @@ class ProgressBar {
     draw(trainer, done, now, /*final=*/false);
   }
 
+  /// The epoch's last line; none for an epoch this process ran no batch of (a resume at its end).
   template <class T, class M>
   void on_train_epoch_end(T& trainer, M&) {
     if (!trainer.is_global_zero()) return;
-    draw(trainer, done_, Clock::now(), /*final=*/true);
+    if (ran_ > 0) draw(trainer, done_, Clock::now(), /*final=*/true);
     in_epoch_ = false;
+  }
+
+  /// A run that fails or stops (a signal) in the middle of a redrawn line ends that line, so that what is said next
+  /// (the error, the stop notice) starts a line of its own.
+  template <class T, class M>
+  void on_exception(T& trainer, M&, const std::exception_ptr&) {
+    if (trainer.is_global_zero()) end_line();
+  }
+  /// Likewise for a fit that max_time ends in the middle of an epoch.
+  template <class T, class M>
+  void on_train_end(T& trainer, M&) {
+    if (trainer.is_global_zero()) end_line();
   }
 
   /// Validation inside a training epoch pauses the rate's clock.
@@ -119,6 +133,13 @@ class ProgressBar {
     o << std::setprecision(4);
     for (const auto& [name, value] : metrics) o << "  " << name << "=" << value.template item<double>();
     return o.str();
+  }
+
+  /// Ends a redrawn line that is still open.
+  void end_line() {
+    if (last_width_ == 0) return;
+    *out_ << "\n" << std::flush;
+    last_width_ = 0;
   }
 
   template <class T>

@@ -132,6 +132,8 @@ class StatefulLoader {
     out.split_ = split;
     return out;
   }
+  /// Turns shuffling on or off from the next epoch on (a fit with overfit_batches turns it off, then back).
+  void set_shuffle(bool shuffle) { options_.shuffle = shuffle; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   Split split() const { return split_; }

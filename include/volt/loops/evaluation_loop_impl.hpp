@@ -95,16 +95,11 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl&
   const int64_t n = limit.resolve(detail::loader_size(processed), stage == Stage::test ? "limit_test_batches"
                                                                                         : "limit_val_batches");
   Context ctx(state_, eval_store_);
-  try {
+  guarded(module, [&] {
     hook<detail::hooks::setup>(module, ctx, stage);
     run_eval_loop<Kind>(module, processed, stage, n);
     hook<detail::hooks::teardown>(module, ctx, stage);
-  } catch (...) {
-    const std::exception_ptr error = std::current_exception();
-    detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
-    leave_batch();
-    throw;
-  }
+  }, [](std::exception_ptr) {});
   return callback_metric_values();
 }
 
@@ -132,7 +127,7 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, boo
   if (keep && n > 0) results.reserve(static_cast<std::size_t>(n));
   const bool was_training = module.is_training();
   module.eval();
-  {
+  guarded(module, [&] {
     detail::EvalGradGuard no_grad(options_.inference_mode);
     hook<detail::hooks::setup>(module, ctx, Stage::predict);
     eval_epoch<detail::PredictKind>(module, ctx, processed, n, Stage::predict, [&](R& out) -> R& {
@@ -141,7 +136,7 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, boo
       return results.back();
     });
     hook<detail::hooks::teardown>(module, ctx, Stage::predict);
-  }
+  }, [&](std::exception_ptr) { if (was_training) module.train(); });
   if (was_training) module.train();
   if (gathers) {
     if constexpr (detail::GatherableResult<R>) results = detail::gather_dealt_results(std::move(results), strategy_);

@@ -7,6 +7,10 @@
 /// or manual).
 /// Not a header of its own: include volt/trainer.hpp.
 
+#include <torch/csrc/autograd/anomaly_mode.h>
+
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
@@ -27,6 +31,54 @@ using training_step_t = std::conditional_t<
     std::conditional_t<captures_step<typename T::accelerator_type> && graph_rule_v<T, Impl> == GraphRule::none,
                        GraphedStep<T, Impl, B>, AutomaticStep<T>>>;
 
+/// Thrown at a training batch boundary when max_time has passed (its checkpoint written); the fit loop ends there.
+struct TimeUp {};
+
+/// "1:02:03" (or "02:03" under an hour) for a duration, rounded to seconds.
+inline std::string clock_text(std::chrono::milliseconds d) {
+  const int64_t t = (d.count() + 500) / 1000;
+  char buf[32];
+  if (t >= 3600) {
+    std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", static_cast<long long>(t / 3600),
+                  static_cast<long long>(t / 60 % 60), static_cast<long long>(t % 60));
+  } else {
+    std::snprintf(buf, sizeof buf, "%02lld:%02lld", static_cast<long long>(t / 60), static_cast<long long>(t % 60));
+  }
+  return buf;
+}
+
+/// While it lives, a loader that shuffles (volt's loaders: `set_shuffle`) does not, for overfit_batches: the same
+/// batches every epoch, as Lightning. Rank zero says so once per loader.
+template <class L>
+class ShuffleOff {
+ public:
+  ShuffleOff(L& loader, bool overfits, bool says, const char* which) {
+    if constexpr (requires { loader.set_shuffle(false); loader.options().shuffle; }) {
+      if (!overfits || !loader.options().shuffle) return;
+      loader_ = &loader;
+      loader.set_shuffle(false);
+      if (says) {
+        std::cerr << "volt: overfit_batches: the " << which << " loader shuffles; the fit turns that off, so that "
+                  << "every epoch sees the same batches.\n";
+      }
+    }
+  }
+  ~ShuffleOff() {
+    if constexpr (requires(L& l) { l.set_shuffle(true); }) {
+      if (loader_ != nullptr) loader_->set_shuffle(true);
+    }
+  }
+  ShuffleOff(const ShuffleOff&) = delete;
+  ShuffleOff& operator=(const ShuffleOff&) = delete;
+
+ private:
+  L* loader_ = nullptr;
+};
+
+/// A callback that finds a fit's checkpoints for `fit(..., "last")` (ModelCheckpoint).
+template <class C, class T>
+concept FindsLastCheckpoint = requires(const C& c, const T& t) { c.find_last_checkpoint(t); };
+
 }  // namespace detail
 
 /// The body of `fit` in each process that trains: set-up, hooks around the loops, teardown (also on failure).
@@ -43,6 +95,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
 
   decltype(auto) train_loader = strategy_.process_dataloader(train, Stage::train);
   using PTL = std::remove_reference_t<decltype(train_loader)>;
+  detail::ShuffleOff<PTL> train_order(train_loader, overfits(), strategy_.is_global_zero(), "training");
   save_hooks_ = [this, &module](checkpoint::Dict& d, bool weights_only) {  // callbacks first, as Lightning
     detail::call_callbacks<detail::hooks::on_save_checkpoint>(callbacks_, *this, module, d);
     if constexpr (requires(Impl& m, checkpoint::Dict& dd) { m.on_save_checkpoint(dd); }) {
@@ -67,8 +120,10 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
   } scope{this};
 
   cluster::SignalScope signals(options_.signals);  // SIGTERM, SIGINT, the requeue signal: checkpoint and stop
+  std::optional<torch::autograd::DetectAnomalyGuard> anomaly;  // detect_anomaly: LibTorch's anomaly mode while fitting
+  if (options_.detect_anomaly) anomaly.emplace();
   ckpt_path_.clear();
-  try {
+  guarded(module, [&] {
     const std::string resume_from = ckpt_path.empty() ? std::string() : resolve_ckpt_path(ckpt_path);
     ckpt_path_ = resume_from;
     hook<detail::hooks::setup>(module, ctx, Stage::train);
@@ -84,6 +139,8 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     };
     if constexpr (!std::is_same_v<VL, NoLoader>) {
       decltype(auto) val_loader = strategy_.process_dataloader(*val, Stage::validate);
+      detail::ShuffleOff<std::remove_reference_t<decltype(val_loader)>> val_order(
+          val_loader, overfits(), strategy_.is_global_zero(), "validation");
       go(&val_loader);
     } else {
       go(static_cast<NoLoader*>(nullptr));
@@ -92,17 +149,19 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     hook<detail::hooks::teardown>(module, ctx, Stage::train);
     flush_loggers();
     strategy_.teardown();
-  } catch (...) {  // a failure, or a stop signal after its checkpoint (volt::Interrupted): loggers keep their rows
-    const std::exception_ptr error = std::current_exception();
-    detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
-    leave_batch();
+  }, [&](std::exception_ptr error) {  // a failure, or a stop signal after its checkpoint: loggers keep their rows
+    try {
+      std::rethrow_exception(error);
+    } catch (const Interrupted& stop) {  // said after on_exception, so a progress bar has ended its line
+      if (strategy_.is_global_zero()) std::cerr << stop.what() << std::endl;
+    } catch (...) {
+    }
     try {
       flush_loggers();
     } catch (...) {  // the run's own error says more
     }
     strategy_.teardown();
-    throw;
-  }
+  });
 }
 
 /// The fit's loops: the sanity check, then epochs until fit_done. `resume`: where a checkpoint left off.
@@ -129,6 +188,7 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
 
   module.train();
   hook<detail::hooks::on_train_start>(module, ctx);
+  progress_.start_clock();  // max_time counts training from here, on top of the time of a fit resumed from
 
   if (resume) {  // the generators as they were at the save; an epoch saved from its end hooks is closed
     checkpoint::set_rng_states(resume->rng);
@@ -137,50 +197,58 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
       close_epoch();
     }
   }
-
-  while (!fit_done()) {
-    if constexpr (requires { train.set_epoch(int64_t{}); }) train.set_epoch(state_.current_epoch);
-    if (!resume) train_store_.clear();  // a resumed epoch keeps the metric sums of its first part
-    state_.stage = Stage::train;
-    hook<detail::hooks::on_train_epoch_start>(module, ctx);
-
-    int64_t start = 0;
-    bool skip = false;
-    if (resume) {
-      start = resume->batch_in_epoch;
-      skip = !resume->loader_positioned;  // a loader without a saved position skips what was trained on
-      if constexpr (data::PositionedLoader<TL>) {
-        if (resume->loader_positioned) start = train.batches_done();
-      }
-      if (resume->val_pending) run_validation(module, val);  // the check of the batch the save followed
-      resume.reset();
-    }
-    progress_.batches_this_epoch = start;
-    detail::for_each_batch(
-        train, num_training_batches_,
-        [&](auto&& batch, int64_t batch_idx, bool is_last) {
-          progress_.batches_this_epoch = batch_idx + 1;
-          return train_batch(module, ctx, step, batch, batch_idx, is_last, val);
-        },
-        start, skip);
-
-    // Epoch end: callbacks, the module, then callbacks that monitor metrics (they see its logs).
-    progress_.in_epoch_end = true;
-    logger_.publish_epoch(train_store_, collectives_, nullptr);
-    detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::not_monitoring>(callbacks_, *this, module);
-    detail::hooks::on_train_epoch_end::module(module, ctx);
-    detail::MetricMap epoch_log;
-    logger_.publish_epoch(train_store_, collectives_, &epoch_log);
-    detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::monitoring>(callbacks_, *this, module);
-    send_to_loggers(epoch_log);
-    flush_loggers();
-    progress_.in_epoch_end = false;
-    close_epoch();
-    stop_on_signal();  // between epochs: a checkpoint here resumes at the next epoch's first batch
+  try {
+    while (!fit_done()) train_epoch(module, ctx, step, train, val, resume);
+  } catch (const detail::TimeUp&) {  // max_time: its checkpoint is written, and the fit ends as a finished one does
   }
 
   hook<detail::hooks::on_train_end>(module, ctx);
   hook<detail::hooks::on_fit_end>(module, ctx);
+}
+
+/// One training epoch: its batches (after a resume, from where the checkpoint left off), then its end hooks.
+template <class S, class P, class A, class... Cs>
+template <class Impl, class Step, class TL, class VL>
+void Trainer<S, P, A, Cs...>::train_epoch(Impl& module, Context& ctx, Step& step, TL& train, VL* val,
+                                          std::optional<detail::ResumePoint>& resume) {
+  if constexpr (requires { train.set_epoch(int64_t{}); }) train.set_epoch(state_.current_epoch);
+  if (!resume) train_store_.clear();  // a resumed epoch keeps the metric sums of its first part
+  state_.stage = Stage::train;
+  hook<detail::hooks::on_train_epoch_start>(module, ctx);
+
+  int64_t start = 0;
+  bool skip = false;
+  if (resume) {
+    start = resume->batch_in_epoch;
+    skip = !resume->loader_positioned;  // a loader without a saved position skips what was trained on
+    if constexpr (data::PositionedLoader<TL>) {
+      if (resume->loader_positioned) start = train.batches_done();
+    }
+    if (resume->val_pending) run_validation(module, val);  // the check of the batch the save followed
+    resume.reset();
+  }
+  progress_.batches_this_epoch = start;
+  detail::for_each_batch(
+      train, num_training_batches_,
+      [&](auto&& batch, int64_t batch_idx, bool is_last) {
+        progress_.batches_this_epoch = batch_idx + 1;
+        return train_batch(module, ctx, step, batch, batch_idx, is_last, val);
+      },
+      start, skip);
+
+  // Epoch end: callbacks, the module, then callbacks that monitor metrics (they see its logs).
+  progress_.in_epoch_end = true;
+  logger_.publish_epoch(train_store_, collectives_, nullptr);
+  detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::not_monitoring>(callbacks_, *this, module);
+  detail::hooks::on_train_epoch_end::module(module, ctx);
+  detail::MetricMap epoch_log;
+  logger_.publish_epoch(train_store_, collectives_, &epoch_log);
+  detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::monitoring>(callbacks_, *this, module);
+  send_to_loggers(epoch_log);
+  flush_loggers();
+  progress_.in_epoch_end = false;
+  close_epoch();
+  stop_if_asked();  // between epochs: a checkpoint here resumes at the next epoch's first batch
 }
 
 /// One training batch: step, maybe optimizer step, hooks, metrics, maybe validation.
@@ -239,7 +307,7 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, Step& step
     progress_.val_started = true;
     run_validation(module, val);
   }
-  stop_on_signal();  // still inside the batch: a checkpoint here resumes after it
+  stop_if_asked();  // still inside the batch: a checkpoint here resumes after it
   ++progress_.total_batch_idx;
   if (max_steps_reached()) return false;
   return !(progress_.should_stop && can_stop_early());
@@ -367,35 +435,49 @@ void Trainer<S, P, A, Cs...>::run_validation(Impl& module, VL* val) {
   }
 }
 
-/// At a training batch boundary: every rank reads its signal flag and all agree (the largest signal number
-/// wins, so one rank's signal stops all). On a signal: a full checkpoint where "last" finds it, the loggers
-/// flushed, a SLURM job requeued when asked, then volt::Interrupted to the top of fit (SignalOptions).
+/// At a training batch boundary: every rank reads its signal flag, rank zero its clock against max_time, and all
+/// agree in one host collective (twice the largest signal number, plus one for the time: one rank's signal stops
+/// all, and a signal wins over the time). Either way a full checkpoint where "last" finds it and the loggers
+/// flushed; on a signal a SLURM job requeued when asked, then volt::Interrupted to the top of fit (SignalOptions);
+/// on max_time detail::TimeUp, which ends the fit as a finished one.
 template <class S, class P, class A, class... Cs>
-void Trainer<S, P, A, Cs...>::stop_on_signal() {
-  if (!options_.signals.enabled) return;
-  const int sig = strategy_.host_max(cluster::pending_signal());
-  if (sig == 0) return;
+void Trainer<S, P, A, Cs...>::stop_if_asked() {
+  const bool timed = options_.max_time.has_value();
+  if (!options_.signals.enabled && !timed) return;
+  const bool time_up = timed && strategy_.is_global_zero() &&
+                       progress_.time_elapsed() >= std::chrono::duration<double>(*options_.max_time).count();
+  const int code = strategy_.host_max((options_.signals.enabled ? cluster::pending_signal() : 0) * 2 + (time_up ? 1 : 0));
+  if (code == 0) return;
+  const int sig = code / 2;
   const std::string path = signal_checkpoint_path();
   save_checkpoint(path, /*weights_only=*/false);
   flush_loggers();
-  if (strategy_.is_global_zero()) {
-    std::string requeue;
-    if (cluster::should_requeue(options_.signals, sig)) {
-      const std::string failed = cluster::requeue_slurm_job();
-      requeue = failed.empty() ? " SLURM job " + std::string(std::getenv("SLURM_JOB_ID")) + " requeued."
-                               : " The SLURM job could not be requeued: " + failed + ".";
+  constexpr bool finds_last = (detail::FindsLastCheckpoint<Cs, Trainer> || ... || false);
+  // "last" only where a callback finds checkpoints (ModelCheckpoint); the path always works.
+  const std::string where = "stopped at epoch " + std::to_string(state_.current_epoch) + ", step " +
+                            std::to_string(state_.global_step) + " and saved " + path + " (resume with fit(..., " +
+                            (finds_last ? "\"last\") or fit(..., \"" : "\"") + path + "\")).";
+  if (sig == 0) {
+    if (strategy_.is_global_zero()) {
+      std::cerr << "volt: max_time (" << detail::clock_text(*options_.max_time) << ") reached; " << where << std::endl;
     }
-    std::cerr << "volt: " << cluster::signal_name(sig) << " received; stopped at epoch " << state_.current_epoch
-              << ", step " << state_.global_step << " and saved " << path << " (resume with fit(..., \"last\") or "
-              << "this path)." << requeue
-              << (options_.signals.exit_process ? " Exiting with status " + std::to_string(128 + sig) + "." : "")
-              << std::endl;
+    throw detail::TimeUp{};
   }
-  throw Interrupted(sig, path, "volt: the fit stopped on " + cluster::signal_name(sig) + " after saving " + path + ".");
+  std::string requeue;
+  if (strategy_.is_global_zero() && cluster::should_requeue(options_.signals, sig)) {
+    const std::string failed = cluster::requeue_slurm_job();
+    requeue = failed.empty() ? " SLURM job " + std::string(std::getenv("SLURM_JOB_ID")) + " requeued."
+                             : " The SLURM job could not be requeued: " + failed + ".";
+  }
+  throw Interrupted(sig, path, "volt: " + cluster::signal_name(sig) + " received; " + where + requeue +
+                                   (options_.signals.exit_process
+                                        ? " Exiting with status " + std::to_string(128 + sig) + "."
+                                        : ""));
 }
 
 /// Where a stop signal's checkpoint goes: the first callback that finds checkpoints and names a place for it
-/// (ModelCheckpoint: `<its folder>/interrupted.ckpt`), else `<default_root_dir>/checkpoints/interrupted.ckpt`.
+/// (ModelCheckpoint: `<its folder>/interrupted.ckpt`), else `<default_root_dir>/checkpoints/interrupted.ckpt`
+/// (`interrupted-v1.ckpt`, ... where another run's file, not the one this fit resumed from, has that name).
 template <class S, class P, class A, class... Cs>
 std::string Trainer<S, P, A, Cs...>::signal_checkpoint_path() const {
   std::string path;
@@ -408,7 +490,12 @@ std::string Trainer<S, P, A, Cs...>::signal_checkpoint_path() const {
     (one(cb), ...);
     (void)one;
   }, callbacks_);
-  if (path.empty()) path = (std::filesystem::path(options_.default_root_dir) / "checkpoints" / "interrupted.ckpt").string();
+  if (path.empty()) {  // another run's file of that name is kept: interrupted-v1.ckpt, ...
+    path = checkpoint::free_checkpoint_path(std::filesystem::path(options_.default_root_dir) / "checkpoints", "interrupted",
+                                            true, [&](const std::string& p) {
+                                              return !ckpt_path_.empty() && checkpoint::same_path(p, ckpt_path_);
+                                            });
+  }
   return path;
 }
 

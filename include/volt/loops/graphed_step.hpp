@@ -216,7 +216,8 @@ class GraphedStep {
     } catch (const std::exception& e) {
       std::throw_with_nested(StepError(
           "volt: Graphed: capturing the training step failed in epoch " + std::to_string(t_.state_.current_epoch) +
-          ", batch " + std::to_string(t_.state_.batch_idx) + ": " + e.what() + " A captured step runs its host code "
+          ", batch " + std::to_string(t_.state_.batch_idx) + ": " + detail::step_error_message(e) +
+          " A captured step runs its host code "
           "once and must not wait for the device: no .item(), printing or copying tensors to the host, and no shapes "
           "that depend on data (torch::nonzero, boolean masks) inside training_step; move such code to "
           "on_train_batch_end or validation, or use the accelerator without Graphed."));

@@ -8,7 +8,9 @@
 
 #include <torch/types.h>
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,7 @@ inline constexpr const char* should_stop = "should_stop";
 inline constexpr const char* world_size = "world_size";
 inline constexpr const char* optimizer_steps = "optimizer_steps";
 inline constexpr const char* batches_that_stepped = "batches_that_stepped";
+inline constexpr const char* time_elapsed = "time_elapsed";
 }  // namespace loop_keys
 
 /// Where a checkpoint's fit stood: what `FitProgress::state_dict` wrote, read back and checked.
@@ -48,6 +51,8 @@ struct ResumePoint {
   std::vector<int64_t> optimizer_steps;
   /// Training batches after which an optimizer stepped (files that predate the entry: global_step).
   int64_t batches_that_stepped = 0;
+  /// Seconds of training before the save, across the fits it resumed from (max_time; 0 in files without it).
+  double time_elapsed = 0.0;
   /// Filled by the checkpoint connector: this rank's generator states at the save, and whether the training
   /// loader took up its saved position (otherwise `batch_in_epoch` batches are skipped).
   std::vector<at::Tensor> rng;
@@ -68,6 +73,7 @@ struct ResumePoint {
     r.batches_that_stepped = loops.contains(loop_keys::batches_that_stepped)
                                  ? checkpoint::entry(loops, loop_keys::batches_that_stepped, path).toInt()
                                  : r.global_step;
+    if (loops.contains(loop_keys::time_elapsed)) r.time_elapsed = checkpoint::entry(loops, loop_keys::time_elapsed, path).toDouble();
     if (loops.contains(loop_keys::optimizer_steps)) {
       for (const auto& n : checkpoint::entry(loops, loop_keys::optimizer_steps, path).toListRef()) {
         r.optimizer_steps.push_back(n.toInt());
@@ -106,6 +112,16 @@ struct FitProgress {
   bool should_stop = false;
   /// A validation run of this fit has ended (not saved: a resumed fit has not validated yet).
   bool validated = false;
+  /// Seconds trained by the fits this one resumed from, and when this one's training started (max_time).
+  double time_before = 0.0;
+  std::optional<std::chrono::steady_clock::time_point> clock_start;
+
+  void start_clock() { clock_start = std::chrono::steady_clock::now(); }
+  /// Seconds of training so far, the fits this one resumed from included.
+  double time_elapsed() const {
+    if (!clock_start) return time_before;
+    return time_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - *clock_start).count();
+  }
 
   /// The `loops` entry of a checkpoint taken now. `val_due`: the running batch is one after which validation
   /// runs. A save during a batch resumes after it; a save from an epoch's end hooks resumes by closing it.
@@ -132,6 +148,7 @@ struct FitProgress {
     d.insert(loop_keys::world_size, static_cast<int64_t>(world_size));
     d.insert(loop_keys::optimizer_steps, c10::List<int64_t>(optimizer_steps));
     d.insert(loop_keys::batches_that_stepped, batches_that_stepped);
+    d.insert(loop_keys::time_elapsed, time_elapsed());
     return d;
   }
 
@@ -140,6 +157,7 @@ struct FitProgress {
     total_batch_idx = r.total_batch_idx;
     batches_that_stepped = r.batches_that_stepped;
     should_stop = r.should_stop;
+    time_before = r.time_elapsed;
   }
 };
 

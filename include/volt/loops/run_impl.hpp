@@ -43,11 +43,17 @@ void Trainer<S, P, A, Cs...>::check_machine() {
                       std::to_string(Acc::device_count()) + ".");
   }
   strategy_.check_devices(options_, Acc::device_count(), Acc::name);
+  if (detail::captures_step<Acc> && options_.detect_anomaly) {
+    throw ConfigError("volt: detect_anomaly=true with graph mode (Graphed<...>) is not allowed: anomaly mode reads every "
+                      "gradient on the host, which a captured step cannot. Look for the NaN with the accelerator "
+                      "without Graphed.");
+  }
 }
 
-/// fast_dev_run's overrides, as Lightning's; then max_epochs in effect.
+/// fast_dev_run's and overfit_batches' overrides, as Lightning's; then max_epochs in effect.
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::apply_fast_dev_run() {
+  if (overfits()) options_.limit_train_batches = options_.limit_val_batches = options_.overfit_batches;
   if (options_.fast_dev_run > 0) {
     const int64_t n = options_.fast_dev_run;
     options_.limit_train_batches = Limit(n);
@@ -103,6 +109,26 @@ void Trainer<S, P, A, Cs...>::enter_batch(const B& batch, int64_t batch_idx) {
   state_.batch_size_of = &detail::batch_size_of<B>;
   state_.batch_type = &typeid(B);
 }
+/// Runs the body of a run (fit, validate, test, predict); when it throws (a failure, or a stop signal after its
+/// checkpoint), every callback's on_exception hears of it, the batch is left and `cleanup(error)` runs (errors inside
+/// it are dropped: the run's own error says more), then the error goes on.
+template <class S, class P, class A, class... Cs>
+template <class Impl, class Body, class Cleanup>
+decltype(auto) Trainer<S, P, A, Cs...>::guarded(Impl& module, Body&& body, Cleanup&& cleanup) {
+  try {
+    return body();
+  } catch (...) {
+    const std::exception_ptr error = std::current_exception();
+    detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
+    leave_batch();
+    try {
+      cleanup(error);
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
 /// The batch is over: Context::log no longer sizes values by it.
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::leave_batch() {

@@ -98,7 +98,7 @@ class FusedAdamFamily : public Base {
   /// graph and replayed. Needs LibTorch's fused kernels (LibTorch >= 2.4).
   void step_on_device(const at::Tensor& found_inf = {}) {
     at::NoGradGuard no_grad;
-    require_fused(*this, "volt::optim::Adam");
+    require_fused(*this, Kernel::name);
     fused_adam_step<Options, State>(*this, steps_, Kernel{}, &device_lr_, found_inf);
   }
   /// Copies each group's rate into the tensors `step_on_device` reads, where it changed; outside captured regions.
@@ -125,6 +125,8 @@ class FusedAdamFamily : public Base {
 /// `at::_fused_adam_` (Decoupled false) or `at::_fused_adamw_`.
 template <bool Decoupled>
 struct AdamKernel {
+  /// The optimizer's name in messages.
+  static constexpr const char* name = Decoupled ? "volt::optim::AdamW" : "volt::optim::Adam";
   template <class... A>
   void operator()(A&&... args) const {
     volt::detail::fused_adam(Decoupled, std::forward<A>(args)...);

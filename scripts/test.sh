@@ -7,6 +7,7 @@
 # --sanitize:   the unit, trainer, manual, loader, checkpoint and optim tests built with AddressSanitizer and
 #               UndefinedBehaviorSanitizer (in build-sanitize/, or build-sanitize-torch<lane>/), and only those run.
 # --tsan:       the loader tests (worker threads) built with ThreadSanitizer (in build-tsan/), and only those run.
+# VOLT_CMAKE_ARGS: more CMake settings for the lane's build (CI's 2.11 lane: -DVOLT_CHECK_HEADERS=OFF).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lane=1.13
@@ -25,9 +26,11 @@ done
 bash scripts/install-deps.sh --tests
 # tensorboard (reads the TensorBoard logger's files back) and matplotlib, from PyPI, in a virtual environment.
 tools_python=$(bash scripts/install-python-tools.sh)
+read -r -a extra_cmake_args <<< "${VOLT_CMAKE_ARGS:-}"
 if [ "$lane" = "1.13" ]; then
   build=build
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVOLT_TOOLS_PYTHON="$tools_python"
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVOLT_TOOLS_PYTHON="$tools_python" \
+        ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
 else
   if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
     echo "volt: the LibTorch $lane lane builds against pip's torch, whose CMake files need the CUDA toolkit (nvcc);" \
@@ -36,7 +39,8 @@ else
   fi
   torch_dir=$(bash scripts/install-torch.sh "$lane")
   build=build-torch$lane
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir" -DVOLT_TOOLS_PYTHON="$tools_python"
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir" -DVOLT_TOOLS_PYTHON="$tools_python" \
+        ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
 fi
 if [ "$tsan" = 1 ]; then
   tbuild=build-tsan${build#build}

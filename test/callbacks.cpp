@@ -201,6 +201,26 @@ TEST_CASE("ProgressBar: no empty line for an epoch a resume finds ended; a stopp
                       path + "\")).");
     CHECK_THAT(both.str(), Contains("3/5") && Contains("\n" + what + "\n"));
   }
+  SECTION("max_time in the middle of a redrawn line") {
+    struct Slow : vt::RegressorImpl {
+      torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        return vt::RegressorImpl::training_step(b, ctx);
+      }
+    } m;
+    const fs::path dir = scratch("bar_max_time");
+    std::ostringstream both;
+    std::streambuf* old = std::cerr.rdbuf(both.rdbuf());
+    {
+      auto t = volt::make_trainer({.max_epochs = 1, .max_time = std::chrono::milliseconds(50),
+                                   .default_root_dir = dir.string()},
+                                  volt::ProgressBar({.out = &both, .plain = false, .redraws_per_second = 1e9}));
+      t.fit(m, volt::data::TensorLoader(x, y, {.batch_size = 4}));
+    }
+    std::cerr.rdbuf(old);
+    INFO(both.str());
+    CHECK_THAT(both.str(), Contains("\nvolt: max_time (00:00) reached; stopped at epoch 0"));
+  }
   SECTION("with a ModelCheckpoint the notice offers \"last\" too") {
     struct Stops : vt::RegressorImpl {
       torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
@@ -366,12 +386,14 @@ TEST_CASE("A fresh fit in a folder of another run's checkpoints warns once and r
   CHECK(files_in(dir) ==
         std::set<std::string>{"epoch=0-step=4.ckpt", "epoch=0-step=4-v1.ckpt", "last.ckpt", "last-v1.ckpt"});
 
-  // Resuming B's run (a second epoch) is B's run going on: it writes over B's last (last-v1.ckpt), warning nothing.
+  // Resuming B's run (a second epoch), from its top-k file, is B's run going on: it writes over B's last
+  // (last-v1.ckpt), warning nothing, and keeps the file it resumed from.
   vt::Regressor b2;
-  CHECK_THAT(run(b2, {}, (dir / "last-v1.ckpt").string()), !Contains("ModelCheckpoint"));
+  CHECK_THAT(run(b2, {}, (dir / "epoch=0-step=4-v1.ckpt").string()), !Contains("ModelCheckpoint"));
   CHECK(same_weights(*last_of(dir / "last-v1.ckpt"), *b2));
   CHECK(same_weights(*last_of(dir / "last.ckpt"), *a));
-  CHECK(files_in(dir) == std::set<std::string>{"epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt", "last-v1.ckpt"});
+  CHECK(files_in(dir) == std::set<std::string>{"epoch=0-step=4.ckpt", "epoch=0-step=4-v1.ckpt", "epoch=1-step=8.ckpt",
+                                               "last.ckpt", "last-v1.ckpt"});
 
   // Said so: enable_version_counter=false replaces the files of the names it writes.
   vt::Regressor c(0.05, /*seed=*/3);

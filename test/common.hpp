@@ -13,6 +13,7 @@
 // What every Catch test file uses by its short name.
 using Catch::Matchers::Contains;
 using Catch::Matchers::StartsWith;
+using Catch::Matchers::EndsWith;
 namespace fs = std::filesystem;
 using vt::cat;
 using vt::index_dataset_loader;

@@ -194,6 +194,8 @@ int max_time_scenario() {
   } net;
   auto [x, y] = data(256);
   const std::string dir = "/tmp/volt_dist_max_time_" + std::to_string(::getppid());
+  std::error_code gone;
+  std::filesystem::remove_all(dir, gone);  // nothing of an earlier run (its interrupted.ckpt would make ours -v1)
   auto trainer = volt::make_trainer<volt::DDP<volt::Script, volt::Mpi>>(
       {.devices = kWorld, .max_epochs = 4, .max_time = std::chrono::milliseconds(250), .default_root_dir = dir});
   net.rank = trainer.strategy().global_rank();

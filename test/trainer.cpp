@@ -627,7 +627,7 @@ TEST_CASE("an exception from a module's step says the step, the stage, the epoch
     const auto [what, inner] = message([&] { t.fit(m, make_loader(x, y, 8)); });
     unsetenv("TORCH_SHOW_CPP_STACKTRACES");
     CHECK_THAT(what, StartsWith("volt: training_step failed in epoch 1, batch 2 (global step 6): ") &&
-                         Catch::Matchers::EndsWith(inner));
+                         EndsWith(inner));
   }
   SECTION("validation_step, in the fit and in its sanity check") {
     Labels m;
@@ -690,6 +690,22 @@ TEST_CASE("detect_anomaly: a backward that makes NaN fails at once, naming the f
                         Contains("(the gradient of the forward op sqrt)"));
   CHECK_FALSE(torch::isnan(watched.parameters()[0]).any().item<bool>());  // no step was taken
   CHECK_FALSE(torch::autograd::AnomalyMode::is_enabled());                // the mode ends with the fit
+  // The forward op of a gradient function with digits and capitals in its name:
+  const std::string pool = volt::detail::step_error_message(
+      std::runtime_error("Function 'MaxPool2DWithIndicesBackward0' returned nan values in its 0th output."));
+  CHECK_THAT(pool, EndsWith("(the gradient of the forward op max_pool2d_with_indices)"));
+}
+
+TEST_CASE("a callback whose on_exception throws does not replace the run's error", "[trainer]") {
+  struct FailingFlush {
+    void on_exception(auto&, auto&, std::exception_ptr) { throw std::runtime_error("flush failed too"); }
+  };
+  struct Boom : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>&, volt::Context&) { throw std::runtime_error("boom"); }
+  } m;
+  auto [x, y] = vt::regression_data(16);
+  auto t = volt::make_trainer({.max_epochs = 1}, FailingFlush{});
+  CHECK_THROWS_WITH(t.fit(m, make_loader(x, y, 8)), Contains("training_step failed") && Contains("boom"));
 }
 
 TEST_CASE("max_time: the fit stops at a batch boundary with a checkpoint, returns, and resumes exactly",
@@ -724,6 +740,13 @@ TEST_CASE("max_time: the fit stops at a batch boundary with a checkpoint, return
   const auto loops = volt::checkpoint::read(path).at("loops").toGenericDict();
   CHECK(loops.at("global_step").toInt() == stopped);
   CHECK(loops.at("time_elapsed").toDouble() >= 0.3);
+  // A save after the fit returned resumes where the stop's checkpoint does (after the batch it stopped in).
+  t.save_checkpoint((dir / "after.ckpt").string());
+  const auto after = volt::checkpoint::read((dir / "after.ckpt").string()).at("loops").toGenericDict();
+  for (const char* key : {"epoch", "global_step", "batch_in_epoch", "total_batch_idx", "epoch_finished", "val_pending"}) {
+    INFO(key);
+    CHECK(after.at(key) == loops.at(key));
+  }
 
   // The time of the fit it resumes from counts: with the same limit, one more batch and it stops again.
   Slow again;

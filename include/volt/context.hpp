@@ -123,11 +123,13 @@ inline std::string step_error_message(const std::exception& e) {
   }
   const std::size_t at = message.find("Function '"), end = message.find("Backward", at);
   if (at != std::string::npos && end != std::string::npos && message.find("returned nan values") != std::string::npos) {
-    std::string op;  // CamelCase to snake_case: MseLoss -> mse_loss
+    std::string op;  // CamelCase to snake_case: MseLoss -> mse_loss, MaxPool2DWithIndices -> max_pool2d_with_indices
+    auto ch = [&](std::size_t i) { return i < end ? static_cast<unsigned char>(message[i]) : 0; };
     for (std::size_t i = at + 10; i < end; ++i) {
-      const char c = message[i];
-      if (std::isupper(static_cast<unsigned char>(c)) && i > at + 10) op += '_';
-      op += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      const bool word = std::isupper(ch(i)) != 0 && i > at + 10 &&
+                        (std::islower(ch(i - 1)) != 0 || (std::isupper(ch(i - 1)) != 0 && std::islower(ch(i + 1)) != 0));
+      if (word) op += '_';
+      op += static_cast<char>(std::tolower(static_cast<unsigned char>(message[i])));
     }
     message += " (the gradient of the forward op " + op + ")";
   }

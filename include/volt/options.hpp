@@ -228,7 +228,7 @@ inline void validate_options(const TrainerOptions& o) {
     auto unset = [](const Limit& l) { return l.is_fraction() && l.fraction() == 1.0; };
     require(unset(o.limit_train_batches) && unset(o.limit_val_batches),
             "overfit_batches with limit_train_batches or limit_val_batches is not allowed: overfit_batches sets both "
-            "(the same batches for training and validation). Leave the limits unset, or set overfit_batches=0.");
+            "(each loader's first batches, every epoch). Leave the limits unset, or set overfit_batches=0.");
     require(o.fast_dev_run == 0, "overfit_batches with fast_dev_run is not allowed: each sets the batch limits. Choose "
                                  "one (fast_dev_run runs n batches once; overfit_batches trains on n batches for every "
                                  "epoch).");

@@ -367,13 +367,16 @@ class ModelCheckpoint {
     return options_.mode == Mode::min ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
   }
 
-  /// A path for `name` in the folder: an existing file this callback did not write (nor the fit resume from) gets
+  /// A path for `name` in the folder: an existing file this callback did not write (nor the fit resumed from) gets
   /// -v1, -v2, ...
+  /// Rank zero's answer on every rank (each rank's view of the folder may differ where it is not shared).
   template <class T>
-  std::string free_path(const T& trainer, const std::string& name) const {
-    return checkpoint::free_checkpoint_path(dirpath_, name, options_.enable_version_counter, [&](const std::string& p) {
-      return best_k_.count(p) > 0 || p == best_model_path_ || p == last_model_path_ || resumed_from(trainer, p);
-    });
+  std::string free_path(T& trainer, const std::string& name) const {
+    const std::string path =
+        checkpoint::free_checkpoint_path(dirpath_, name, options_.enable_version_counter, [&](const std::string& p) {
+          return best_k_.count(p) > 0 || p == best_model_path_ || p == last_model_path_ || resumed_from(trainer, p);
+        });
+    return trainer.strategy().host_all_gather(path)[0];
   }
 
   template <class T>
@@ -420,11 +423,9 @@ class ModelCheckpoint {
     }
     std::string last;
     if (options_.save_last) last = free_path(trainer, kLastName);
+    if (!last.empty()) last_model_path_ = last;  // before the first write: every file of this save names it
     if (!written.empty()) trainer.save_checkpoint(written, options_.save_weights_only);
-    if (!last.empty()) {
-      last_model_path_ = last;
-      trainer.save_checkpoint(last, options_.save_weights_only);
-    }
+    if (!last.empty()) trainer.save_checkpoint(last, options_.save_weights_only);
     if (trainer.is_global_zero()) {
       for (const auto& p : remove) {
         if (p == written || p == last || !may_remove(trainer, p)) continue;

@@ -223,9 +223,11 @@ inline PickleArg pickle_arg(unsigned char op) {
   }
 }
 
-/// Walks a pickle's opcodes and throws when a length field asks for more bytes than the pickle has left.
-/// (LibTorch's Unpickler sizes its buffer from such a field before reading: a damaged 20 KB file asked for a
-/// 4 GB string, which fuzzing found.) Opcodes it does not know end the walk; the Unpickler judges the rest.
+/// Walks a pickle's opcodes and throws when a length field asks for more bytes than the pickle has left, or a
+/// LONG_BINPUT memo index is beyond what the pickle could have written (one object per index, each at least one
+/// opcode byte). (LibTorch's Unpickler sizes its buffer from a length before reading, and grows its memo to the
+/// index: damaged files asked for a 4 GB string and a 28 GB memo, which fuzzing found.) Opcodes it does not know
+/// end the walk; the Unpickler judges the rest.
 inline void check_pickle_lengths(const char* p, std::size_t size) {
   std::size_t at = 0;
   auto need = [&](std::size_t n) {
@@ -251,7 +253,16 @@ inline void check_pickle_lengths(const char* p, std::size_t size) {
     at = static_cast<std::size_t>(static_cast<const char*>(nl) - p) + 1;
   };
   while (at < size) {
-    switch (pickle_arg(static_cast<unsigned char>(p[at++]))) {
+    const auto op = static_cast<unsigned char>(p[at++]);
+    if (op == 'r') {  // LONG_BINPUT
+      const uint64_t index = number(4);
+      if (index >= size) {
+        throw std::runtime_error("a memo index in the pickle (" + std::to_string(index) + ") is beyond its " +
+                                 std::to_string(size) + " bytes");
+      }
+      continue;
+    }
+    switch (pickle_arg(op)) {
       case PickleArg::stop:
       case PickleArg::unknown: return;
       case PickleArg::none: break;

@@ -31,8 +31,11 @@ using training_step_t = std::conditional_t<
     std::conditional_t<captures_step<typename T::accelerator_type> && graph_rule_v<T, Impl> == GraphRule::none,
                        GraphedStep<T, Impl, B>, AutomaticStep<T>>>;
 
-/// Thrown at a training batch boundary when max_time has passed (its checkpoint written); the fit loop ends there.
-struct TimeUp {};
+/// Thrown at a training batch boundary when max_time has passed (its checkpoint written); the fit loop ends there
+/// and says `notice` after on_train_end (a progress bar has ended its line by then).
+struct TimeUp {
+  std::string notice;
+};
 
 /// "1:02:03" (or "02:03" under an hour) for a duration, rounded to seconds.
 inline std::string clock_text(std::chrono::milliseconds d) {
@@ -61,6 +64,9 @@ class ShuffleOff {
         std::cerr << "volt: overfit_batches: the " << which << " loader shuffles; the fit turns that off, so that "
                   << "every epoch sees the same batches.\n";
       }
+    } else if (overfits && says) {
+      std::cerr << "volt: overfit_batches: the " << which << " loader has no set_shuffle(bool) (volt::data's loaders "
+                << "have it); if it shuffles, each epoch sees other batches: turn its shuffling off.\n";
     }
   }
   ~ShuffleOff() {
@@ -75,9 +81,12 @@ class ShuffleOff {
   L* loader_ = nullptr;
 };
 
-/// A callback that finds a fit's checkpoints for `fit(..., "last")` (ModelCheckpoint).
+/// A callback that finds a fit's checkpoints for `fit(..., "last")` (ModelCheckpoint), as resolve_ckpt_path asks.
 template <class C, class T>
-concept FindsLastCheckpoint = requires(const C& c, const T& t) { c.find_last_checkpoint(t); };
+concept FindsLastCheckpoint = requires(const C& c, const T& t) {
+  c.find_last_checkpoint(t);
+  c.find_best_checkpoint(t);
+};
 
 }  // namespace detail
 
@@ -197,12 +206,15 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
       close_epoch();
     }
   }
+  std::string time_notice;
   try {
     while (!fit_done()) train_epoch(module, ctx, step, train, val, resume);
-  } catch (const detail::TimeUp&) {  // max_time: its checkpoint is written, and the fit ends as a finished one does
+  } catch (const detail::TimeUp& up) {  // max_time: the checkpoint is written; the epoch is left as at a signal
+    time_notice = up.notice;
   }
 
   hook<detail::hooks::on_train_end>(module, ctx);
+  if (!time_notice.empty() && strategy_.is_global_zero()) std::cerr << time_notice << std::endl;
   hook<detail::hooks::on_fit_end>(module, ctx);
 }
 
@@ -449,7 +461,8 @@ void Trainer<S, P, A, Cs...>::stop_if_asked() {
   const int code = strategy_.host_max((options_.signals.enabled ? cluster::pending_signal() : 0) * 2 + (time_up ? 1 : 0));
   if (code == 0) return;
   const int sig = code / 2;
-  const std::string path = signal_checkpoint_path();
+  const std::string path = strategy_.host_all_gather(signal_checkpoint_path())[0];  // rank zero's file names it
+  if (sig == 0) progress_.stopped_in_batch = progress_.in_train_batch;  // later saves resume after this batch too
   save_checkpoint(path, /*weights_only=*/false);
   flush_loggers();
   constexpr bool finds_last = (detail::FindsLastCheckpoint<Cs, Trainer> || ... || false);
@@ -457,12 +470,7 @@ void Trainer<S, P, A, Cs...>::stop_if_asked() {
   const std::string where = "stopped at epoch " + std::to_string(state_.current_epoch) + ", step " +
                             std::to_string(state_.global_step) + " and saved " + path + " (resume with fit(..., " +
                             (finds_last ? "\"last\") or fit(..., \"" : "\"") + path + "\")).";
-  if (sig == 0) {
-    if (strategy_.is_global_zero()) {
-      std::cerr << "volt: max_time (" << detail::clock_text(*options_.max_time) << ") reached; " << where << std::endl;
-    }
-    throw detail::TimeUp{};
-  }
+  if (sig == 0) throw detail::TimeUp{"volt: max_time (" + detail::clock_text(*options_.max_time) + ") reached; " + where};
   std::string requeue;
   if (strategy_.is_global_zero() && cluster::should_requeue(options_.signals, sig)) {
     const std::string failed = cluster::requeue_slurm_job();

@@ -112,6 +112,8 @@ struct FitProgress {
   bool should_stop = false;
   /// A validation run of this fit has ended (not saved: a resumed fit has not validated yet).
   bool validated = false;
+  /// max_time stopped the fit inside a training batch: a save after it resumes after that batch, as one during it.
+  bool stopped_in_batch = false;
   /// Seconds trained by the fits this one resumed from, and when this one's training started (max_time).
   double time_before = 0.0;
   std::optional<std::chrono::steady_clock::time_point> clock_start;
@@ -132,7 +134,7 @@ struct FitProgress {
     if (in_epoch_end) {
       finished = true;
       batch_in_epoch = batches_this_epoch;
-    } else if (in_train_batch) {
+    } else if (in_train_batch || stopped_in_batch) {
       batch_in_epoch = train_batch_idx + 1;
       total = total_batch_idx + 1;
       val_pending = val_due && !val_started;

@@ -119,7 +119,10 @@ decltype(auto) Trainer<S, P, A, Cs...>::guarded(Impl& module, Body&& body, Clean
     return body();
   } catch (...) {
     const std::exception_ptr error = std::current_exception();
-    detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
+    try {
+      detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
+    } catch (...) {  // a callback that fails here (a logger's flush) loses nothing of the run's own error
+    }
     leave_batch();
     try {
       cleanup(error);

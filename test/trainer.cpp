@@ -696,10 +696,14 @@ TEST_CASE("detect_anomaly: a backward that makes NaN fails at once, naming the f
   CHECK_THAT(pool, EndsWith("(the gradient of the forward op max_pool2d_with_indices)"));
 }
 
+namespace {
+/// A callback whose on_exception fails itself (a logger whose flush fails on a full disk).
+struct FailingFlush {
+  void on_exception(auto&, auto&, std::exception_ptr) { throw std::runtime_error("flush failed too"); }
+};
+}  // namespace
+
 TEST_CASE("a callback whose on_exception throws does not replace the run's error", "[trainer]") {
-  struct FailingFlush {
-    void on_exception(auto&, auto&, std::exception_ptr) { throw std::runtime_error("flush failed too"); }
-  };
   struct Boom : vt::RegressorImpl {
     torch::Tensor training_step(const torch::data::Example<>&, volt::Context&) { throw std::runtime_error("boom"); }
   } m;

@@ -7,11 +7,15 @@
 //                                                     on the same global batches
 //   distributed indices <script|spawn> N              every sample seen once per epoch across ranks
 //   distributed metrics                               sync_dist values, stop decisions, all_gather/broadcast
+//   distributed zero <script|spawn> STAGE WORLD adam|sgd   ZeRO weights == a one-process loop (accumulation 3,
+//                                                     clipping); the optimizer state split across the ranks
+//   distributed collectives                           Mpi's reduce-scatter and all-gather (mpirun, any world size)
 //   distributed predict <script|spawn> WORLD          predict (gathered, and written by PredictionWriter) and validate
 //                                                     on 1001 samples == a hand-written loop
 //   distributed fail <script|spawn> RANK STEP         rank RANK throws at step STEP (the job must end)
 //   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
 //                                                     with MESSAGE in its output and leaves no process behind
+//   distributed gpu-zero <script|spawn>               the same with ZeRO<2, L, Nccl>
 //   distributed gpu-ddp <script|spawn>                DDP<L, Nccl> with Bf16Mixed on one GPU (world size 1: NCCL
 //                                                     refuses two ranks on one device) == SingleDevice; exits 77
 //                                                     where CUDA or NCCL is missing
@@ -176,6 +180,90 @@ int fit_scenario_with(int accumulate, bool fused, double ema_decay, Callbacks...
     check(layout.size() > 2, "small bucket caps give several buckets (got " + std::to_string(layout.size()) + ")");
     check(!layout.empty() && layout.front().front() == net->parameters().size() - 1,
           "the first bucket starts with the last parameter (reverse order)");
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// ---- ZeRO: sharded optimizer state and gradients -------------------------------------------------------------------
+
+/// The net of the DDP tests with Adam or SGD (momentum) as configure_optimizers returns it.
+struct ZeroNetImpl : NetImpl {
+  bool adam = true;
+  std::unique_ptr<torch::optim::Optimizer> configure_optimizers() {
+    if (adam) return std::make_unique<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01));
+    return std::make_unique<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+};
+
+/// The one-process reference for `world` ranks: global batch i of an epoch is every rank's local batch i in rank
+/// order (rank r's local order: positions r, r + world, ... of randperm(n) seeded with seed + epoch), the loss their
+/// mean over the window of `accumulate` batches, the gradients clipped to a total norm of `clip` before each step.
+torch::Tensor zero_reference(int world, int64_t n, int epochs, int accumulate, double clip, bool adam) {
+  auto [x, y] = data(n);
+  ZeroNetImpl net;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (adam) {
+    opt = std::make_unique<torch::optim::Adam>(net.parameters(), torch::optim::AdamOptions(0.01));
+  } else {
+    opt = std::make_unique<torch::optim::SGD>(net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  const int64_t batches = n / world / kBatch;
+  for (int e = 0; e < epochs; ++e) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(kSeed + static_cast<uint64_t>(e));
+    auto perm = torch::randperm(n, gen, torch::kLong);
+    for (int64_t i = 0; i < batches; ++i) {
+      std::vector<torch::Tensor> idx;
+      for (int r = 0; r < world; ++r) idx.push_back(perm.slice(0, r, n, world).slice(0, i * kBatch, (i + 1) * kBatch));
+      const auto id = torch::cat(idx);
+      if (i % accumulate == 0) opt->zero_grad();
+      ((net.forward(x.index_select(0, id)) - y.index_select(0, id)).pow(2).mean() / accumulate).backward();
+      if ((i + 1) % accumulate == 0 || i + 1 == batches) {
+        torch::nn::utils::clip_grad_norm_(net.parameters(), clip);
+        opt->step();
+      }
+    }
+  }
+  return flat(net);
+}
+
+/// ZeRO stage `Stage` on `world` ranks (accumulation 3, clipping, Adam or SGD) against the one-process reference; on
+/// each rank the optimizer's state is its share: over all ranks, the state of every parameter element once.
+template <int Stage, class L>
+int zero_scenario(int world, bool adam) {
+  const int64_t n = 96;
+  const int epochs = 2, accumulate = 3;
+  const double clip = 0.05;
+  auto [x, y] = data(n);
+  ZeroNetImpl net;
+  net.adam = adam;
+  auto trainer = volt::make_trainer<volt::ZeRO<Stage, L, volt::Mpi>>(
+      {.devices = world, .max_epochs = epochs, .accumulate_grad_batches = accumulate, .gradient_clip_val = clip});
+  trainer.strategy().set_bucket_bytes(256, 512);  // three buckets for this net, parameters across blocks
+  volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
+  trainer.fit(net, loader);
+  const bool answer_here = std::is_same_v<L, volt::Spawn> || trainer.is_global_zero();
+  if (answer_here) {
+    const torch::Tensor want = zero_reference(world, n, epochs, accumulate, clip, adam);
+    const double diff = (flat(net) - want).abs().max().item<double>();
+    std::cout << "ZeRO<" << Stage << "> on " << world << " ranks, " << (adam ? "Adam" : "SGD")
+              << ": max |weights - reference| = " << diff << std::endl;
+    check(torch::allclose(flat(net), want, 1e-5, 1e-6), "ZeRO weights equal the one-process reference (max diff " +
+                                                            std::to_string(diff) + ")");
+  }
+  if constexpr (std::is_same_v<L, volt::Script>) {
+    // Every element's state once over the ranks: Adam two tensors per parameter, SGD one (momentum), as floats.
+    int64_t elements = 0;
+    for (const auto& p : net.parameters()) elements += p.numel();
+    const int64_t want_bytes = elements * 4 * (adam ? 2 : 1);
+    const auto mine = static_cast<int64_t>(volt::detail::optimizer_state_bytes(*trainer.optimizer()));
+    const int64_t all = trainer.strategy().all_reduce(torch::tensor({mine}), volt::Reduce::sum).template item<int64_t>();
+    check(all == want_bytes, "the ranks' optimizer states add up to one unsharded state (" + std::to_string(all) +
+                                 " bytes, want " + std::to_string(want_bytes) + ")");
+    check(mine <= want_bytes / world + 4 * 2 * world, "this rank holds about 1/world of it (" + std::to_string(mine) + ")");
+    const auto grads = static_cast<int64_t>(trainer.strategy().gradient_bytes());
+    const int64_t padded = 4 * (18 + 128 + 80 + 2 * world);  // the buckets' lengths, padding included (at most)
+    check(Stage == 1 ? grads >= elements * 4 : grads <= padded / world,
+          "gradient bytes held: " + std::to_string(grads) + " (stage 1: whole buckets; stage 2: this rank's blocks)");
   }
   return failures == 0 ? 0 : 1;
 }
@@ -443,6 +531,54 @@ int predict_scenario(int world) {
   return failures == 0 ? 0 : 1;
 }
 
+/// volt::Mpi's flat reduce-scatter and all-gather against known answers, on every rank count mpirun gives: rank r's
+/// flat tensor holds (r + 1) * (i + 1) at element i, so the reduced block k holds (i + 1) times the sum, mean, max or
+/// min of 1..W at i = k*n + j; each rank's block given to the all-gather holds 1000 r + j, the others -1.
+int collectives_scenario() {
+  volt::detail::MpiRuntime::instance().ensure_initialized();
+  // Lives to the end of the process, as a launcher's group does (MPI closes it at exit).
+  auto* group = new volt::detail::MpiGroup(MPI_COMM_WORLD, 0, 0);
+  volt::Mpi mpi(group);
+  const int w = group->size(), r = group->rank();
+  const int64_t n = 5;
+  const double sum = w * (w + 1) / 2.0;
+  const std::vector<std::pair<volt::Reduce, double>> ops{
+      {volt::Reduce::sum, sum}, {volt::Reduce::mean, sum / w}, {volt::Reduce::max, w}, {volt::Reduce::min, 1}};
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64, torch::kBFloat16, torch::kFloat16, torch::kInt64}) {
+    for (const auto& [op, factor] : ops) {
+      if (op == volt::Reduce::mean && dtype == torch::kInt64) continue;
+      const torch::Tensor index = torch::arange(w * n, torch::kFloat64) + 1;
+      const torch::Tensor flat = (index * (r + 1)).to(dtype);
+      auto work = mpi.ireduce_scatter_(flat, op);
+      work.wait();
+      const torch::Tensor want = (index.narrow(0, r * n, n) * factor).to(dtype);
+      check(torch::equal(volt::detail::block_of(flat, r, w), want),
+            std::string("reduce-scatter ") + c10::toString(dtype) + " op " + std::to_string(static_cast<int>(op)));
+    }
+    const torch::Tensor gathered = torch::full({w * n}, -1.0, torch::kFloat64).to(dtype);
+    volt::detail::block_of(gathered, r, w).copy_(torch::arange(n) + 1000 * r);
+    mpi.iall_gather_(gathered).wait();
+    torch::Tensor want = torch::empty({w, n}, torch::kFloat64);
+    for (int k = 0; k < w; ++k) want[k] = torch::arange(n, torch::kFloat64) + 1000 * k;
+    check(torch::equal(gathered, want.reshape(-1).to(dtype)), std::string("all-gather ") + c10::toString(dtype));
+  }
+  // A view of a larger tensor works in place; a length that does not divide is refused with the shape.
+  torch::Tensor outer = torch::zeros({w * 4 + 3});
+  torch::Tensor view = outer.narrow(0, 3, w * 4);
+  view.fill_(1.0);
+  mpi.reduce_scatter_(view, volt::Reduce::sum);
+  check(volt::detail::block_of(view, r, w).eq(w).all().item<bool>(), "reduce-scatter into a view");
+  check(outer.narrow(0, 0, 3).eq(0).all().item<bool>(), "nothing outside the view written");
+  try {
+    mpi.reduce_scatter_(torch::zeros({w * 4 + 1}), volt::Reduce::sum);
+    check(w == 1, "a flat tensor of " + std::to_string(w * 4 + 1) + " elements is refused");
+  } catch (const std::invalid_argument& e) {
+    check(std::string(e.what()).find("equal blocks") != std::string::npos, std::string("the refusal: ") + e.what());
+  }
+  if (r == 0) std::cout << "collectives: reduce-scatter and all-gather on " << w << " ranks match" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
 /// sync_dist values, EarlyStopping agreement and the Context collectives, under mpirun.
 struct MetricNetImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
@@ -572,11 +708,14 @@ int expect_failure(double timeout, const std::string& message, std::vector<std::
   return failures == 0 ? 0 : 1;
 }
 
-/// DDP over NCCL at world size 1 must train exactly as SingleDevice does: same data order, same bf16 autocast
-/// kernels, gradients averaged over one rank. Under Spawn the reference runs in the main process after fit.
-template <class L>
+/// DDP (or ZeRO<2>: `Sharded`) over NCCL at world size 1 must train exactly as SingleDevice does: same data order,
+/// same bf16 autocast kernels, gradients averaged over one rank (ZeRO: reduce-scattered, the one shard stepped and
+/// all-gathered). Under Spawn the reference runs in the main process after fit.
+template <class L, bool Sharded = false>
 int gpu_ddp_scenario() {
 #if VOLT_WITH_NCCL
+  using S = std::conditional_t<Sharded, volt::ZeRO<2, L, volt::Nccl>, volt::DDP<L, volt::Nccl>>;
+  const std::string name = std::string(Sharded ? "ZeRO<2, " : "DDP<") + L::name + ", Nccl>";
   if (!volt::GPU::is_available()) {
     std::cout << "no CUDA device visible: skipped" << std::endl;
     return 77;
@@ -586,7 +725,7 @@ int gpu_ddp_scenario() {
   auto [x, y] = data(n);
   auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}); };
   Net ddp_net;
-  volt::Trainer<volt::DDP<L, volt::Nccl>, volt::Bf16Mixed, volt::GPU> trainer({.devices = 1, .max_epochs = epochs});
+  volt::Trainer<S, volt::Bf16Mixed, volt::GPU> trainer({.devices = 1, .max_epochs = epochs});
   trainer.fit(ddp_net, loader());
   // Under Script this process was the rank; under Spawn only the main process gets here.
   Net ref_net;
@@ -594,10 +733,10 @@ int gpu_ddp_scenario() {
   reference.fit(ref_net, loader());
   const torch::Tensor got = flat(*ddp_net), want = flat(*ref_net);
   const double diff = (got - want).abs().max().item<double>();
-  std::cout << "max |DDP<" << L::name << ", Nccl> - SingleDevice| = " << diff << std::endl;
+  std::cout << "max |" << name << " - SingleDevice| = " << diff << std::endl;
   check(trainer.global_step() == reference.global_step(), "both ran the same number of steps");
   check(!torch::equal(want, flat(*Net{})), "the reference trained");
-  check(torch::allclose(got, want, 1e-5, 1e-6), "DDP<" + std::string(L::name) + ", Nccl> at world size 1 equals SingleDevice");
+  check(torch::allclose(got, want, 1e-5, 1e-6), name + " at world size 1 equals SingleDevice");
   return failures == 0 ? 0 : 1;
 #else
   std::cout << "volt::nccl is not linked (no NCCL or no CUDA LibTorch at configure time): skipped" << std::endl;
@@ -652,12 +791,25 @@ const Mode kModes[] = {
        const int world = std::stoi(a.at(2));
        return spawn_given(a) ? predict_scenario<volt::Spawn>(world) : predict_scenario<volt::Script>(world);
      }},
+    {"collectives", ": Mpi's flat reduce-scatter and all-gather on every dtype against known answers",
+     [](const std::vector<std::string>&) { return collectives_scenario(); }},
+    {"zero", "<script|spawn> stage world adam|sgd: ZeRO against a one-process loop (accumulation 3, clipping)",
+     [](const std::vector<std::string>& a) {
+       const int stage = std::stoi(a.at(2)), world = std::stoi(a.at(3));
+       const bool adam = a.at(4) == "adam";
+       if (stage == 1) return spawn_given(a) ? zero_scenario<1, volt::Spawn>(world, adam) : zero_scenario<1, volt::Script>(world, adam);
+       return spawn_given(a) ? zero_scenario<2, volt::Spawn>(world, adam) : zero_scenario<2, volt::Script>(world, adam);
+     }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
     {"max-time", ": max_time on 2 ranks stepping at different speeds: both stop after the same batch",
      [](const std::vector<std::string>&) { return max_time_scenario(); }},
     {"gpu-ddp", "<script|spawn>: DDP over NCCL at world size 1 against SingleDevice on the GPU",
      [](const std::vector<std::string>& a) {
        return spawn_given(a) ? gpu_ddp_scenario<volt::Spawn>() : gpu_ddp_scenario<volt::Script>();
+     }},
+    {"gpu-zero", "<script|spawn>: ZeRO<2> over NCCL at world size 1 against SingleDevice on the GPU",
+     [](const std::vector<std::string>& a) {
+       return spawn_given(a) ? gpu_ddp_scenario<volt::Spawn, true>() : gpu_ddp_scenario<volt::Script, true>();
      }},
     {"fail", "<script|spawn> rank step: that rank throws at that step", [](const std::vector<std::string>& a) {
        const int rank = std::stoi(a.at(2)), step = std::stoi(a.at(3));

@@ -11,6 +11,9 @@
 //   resume spawn-exact <dir>                  the same with DDP<Spawn> workers
 //   resume n-to-m <from> <to> <dir> -- <mpirun...>
 //                                             saved on `from` ranks, resumed on `to`: every sample once
+//   resume zero-resume <dir> -- <mpirun...>   a ZeRO checkpoint holds DDP's state at the same step; saved on 2
+//                                             ranks it resumes on 1 and on 4, and a DDP one on 2 ZeRO ranks: every
+//                                             sample once, the file's optimizer state
 //   resume signal <case> <dir> [-- <mpirun...>]
 //                                             a run stopped by SIGTERM/SIGUSR1 (to the process, mpirun, one rank,
 //                                             a Spawn main process) checkpoints, exits, and resumes bit-identical
@@ -332,15 +335,25 @@ struct IndexModelImpl : torch::nn::Module {
   IndexModelImpl() { lin = register_module("lin", torch::nn::Linear(2, 1)); }
   torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
     for (int64_t i = 0; i < b.target.size(0); ++i) seen.emplace_back(ctx.current_epoch(), b.target[i].item<int64_t>());
-    return lin(b.data / 48.0).pow(2).mean();
+    return lin(b.data * torch::tensor({1.0f, -0.5f}) / 48.0).pow(2).mean();  // the two weights' gradients differ
   }
-  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), 0.01); }
+  torch::optim::Adam configure_optimizers() { return torch::optim::Adam(parameters(), torch::optim::AdamOptions(0.01)); }
 };
 TORCH_MODULE(IndexModel);
+
+/// Saves a checkpoint as the training starts (after a resume has loaded everything): what the run made of the file.
+struct SaveAtStart {
+  std::string path;
+  template <class T, class M>
+  void on_train_start(T& trainer, M&) {
+    if (!path.empty()) trainer.save_checkpoint(path);
+  }
+};
 
 
 template <class Trainer>
 int index_fit_with(Trainer& trainer, const std::string& record, const std::string& ckpt) {
+  torch::manual_seed(7);  // the same first weights in every run (the strategies' runs are compared)
   IndexModel model;
   volt::data::DatasetLoader loader(vt::IndexDataset(48).map(torch::data::transforms::Stack<>()),
                                    {.batch_size = 4, .shuffle = true, .seed = 5});
@@ -350,16 +363,22 @@ int index_fit_with(Trainer& trainer, const std::string& record, const std::strin
   return 0;
 }
 
-// resume index-fit <ranks> <dir> <record> <max_steps> [ckpt]
-int index_fit(int ranks, const std::string& dir, const std::string& record, int64_t max_steps, const std::string& ckpt) {
+// resume index-fit <ddp|zero1|zero2> <ranks> <dir> <record> <max_steps> [ckpt]: one rank runs SingleDevice; a resumed
+// run saves <record>.start.ckpt as its training starts
+int index_fit(const std::string& strategy, int ranks, const std::string& dir, const std::string& record,
+              int64_t max_steps, const std::string& ckpt) {
   const volt::TrainerOptions o{.devices = ranks, .max_epochs = 2, .max_steps = max_steps};
   volt::ModelCheckpoint every_step({.dirpath = dir, .save_top_k = 0, .save_last = true, .every_n_train_steps = 1});
-  if (ranks == 1) {
-    auto t = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(o, every_step);
+  const SaveAtStart start{ckpt.empty() ? std::string() : record + ".start.ckpt"};
+  auto with = [&]<class S>(S*) {
+    auto t = volt::make_trainer<S, volt::Fp32, volt::CPU>(o, every_step, start);
+    if constexpr (requires { t.strategy().set_bucket_bytes(64, 64); }) t.strategy().set_bucket_bytes(8, 8);  // 2 buckets
     return index_fit_with(t, record, ckpt);
-  }
-  auto t = volt::make_trainer<volt::DDP<volt::Script, volt::Mpi>, volt::Fp32, volt::CPU>(o, every_step);
-  return index_fit_with(t, record, ckpt);
+  };
+  if (ranks == 1) return with(static_cast<volt::SingleDevice*>(nullptr));
+  if (strategy == "zero1") return with(static_cast<volt::ZeRO<1, volt::Script, volt::Mpi>*>(nullptr));
+  if (strategy == "zero2") return with(static_cast<volt::ZeRO<2, volt::Script, volt::Mpi>*>(nullptr));
+  return with(static_cast<volt::DDP<volt::Script, volt::Mpi>*>(nullptr));
 }
 
 std::map<std::pair<int64_t, int64_t>, int> read_records(const std::string& prefix, int ranks) {
@@ -386,10 +405,10 @@ int n_to_m(int from, int to, const std::string& dir, std::vector<std::string> mp
   };
   const int64_t per_epoch = 48 / (4 * from);
   const int64_t stop = per_epoch + 2;  // epoch 1, two batches in
-  if (job(from, {"index-fit", std::to_string(from), dir + "/ckpt", dir + "/part1", std::to_string(stop)}) != 0) {
+  if (job(from, {"index-fit", "ddp", std::to_string(from), dir + "/ckpt", dir + "/part1", std::to_string(stop)}) != 0) {
     fail("the first part failed");
   }
-  if (job(to, {"index-fit", std::to_string(to), dir + "/ckpt", dir + "/part2", "-1", "last"}) != 0) {
+  if (job(to, {"index-fit", "ddp", std::to_string(to), dir + "/ckpt", dir + "/part2", "-1", "last"}) != 0) {
     fail("the resumed part failed");
   }
   auto count = read_records(dir + "/part1", from);
@@ -403,6 +422,97 @@ int n_to_m(int from, int to, const std::string& dir, std::vector<std::string> mp
   if (count.size() != 96) fail("samples outside the data set were recorded");
   std::cout << "saved on " << from << " rank(s) in epoch 1, resumed on " << to
             << ": every sample of both epochs seen exactly once  match" << std::endl;
+  return 0;
+}
+
+/// The Adam state in checkpoint `path`, read by a one-process optimizer: per parameter, its step and its moments
+/// flattened, in parameter order.
+std::pair<std::vector<int64_t>, torch::Tensor> adam_state(const std::string& path) {
+  IndexModelImpl model;
+  torch::optim::Adam adam(model.parameters(), torch::optim::AdamOptions(0.01));
+  const auto file = volt::checkpoint::read(path);
+  volt::checkpoint::load_optimizer_state(adam, file.at(volt::checkpoint::keys::optimizer_states).toListRef()[0].toTensor(),
+                                         path);
+  std::vector<int64_t> steps;
+  std::vector<torch::Tensor> moments;
+  for (const auto& p : model.parameters()) {
+    const auto it = adam.state().find(volt::optim::detail::state_key(adam.state(), p.unsafeGetTensorImpl()));
+    if (it == adam.state().end()) fail(path + ": no Adam state for a parameter");
+    const auto& st = static_cast<const torch::optim::AdamParamState&>(*it->second);
+    steps.push_back(st.step());
+    moments.push_back(st.exp_avg().flatten());
+    moments.push_back(st.exp_avg_sq().flatten());
+  }
+  return {steps, torch::cat(moments)};
+}
+
+torch::Tensor weights_in(const std::string& path) {
+  std::vector<torch::Tensor> w;
+  for (const auto& e : volt::checkpoint::read(path).at(volt::checkpoint::keys::state_dict).toGenericDict()) {
+    w.push_back(e.value().toTensor().flatten());
+  }
+  return torch::cat(w);
+}
+
+// resume zero-resume <dir> -- <mpirun...>
+// ZeRO<2> and DDP on 2 ranks stop at the same step of epoch 1: the sharded checkpoint holds the unsharded run's
+// weights and Adam state (the layout of one process, read by one). Then it resumes on 1 rank, on 4 (ZeRO<1>), and
+// a DDP checkpoint on 2 ZeRO<2> ranks: every sample of both epochs seen once, and the state each run made of the
+// file (saved as its training starts) is the file's.
+int zero_resume(const std::string& dir, std::vector<std::string> mpirun) {
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  auto job = [&](int ranks, std::vector<std::string> args) {
+    std::vector<std::string> cmd;
+    if (ranks > 1) {
+      cmd = mpirun;
+      const auto np = std::find(cmd.begin(), cmd.end(), "-np");  // the command given runs 2
+      if (np == cmd.end() || np + 1 == cmd.end()) fail("the mpirun command given has no -np N");
+      *(np + 1) = std::to_string(ranks);
+    }
+    cmd.push_back(self_exe());
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    if (run(cmd) != 0) fail("the run failed: index-fit " + args[0] + " on " + std::to_string(ranks) + " rank(s)");
+  };
+  const std::string stop = std::to_string(48 / (4 * 2) + 2);  // epoch 1, two batches in
+  job(2, {"index-fit", "zero2", "2", dir + "/z", dir + "/z_part1", stop});
+  job(2, {"index-fit", "ddp", "2", dir + "/d", dir + "/d_part1", stop});
+  const auto [z_steps, z_moments] = adam_state(dir + "/z/last.ckpt");
+  const auto [d_steps, d_moments] = adam_state(dir + "/d/last.ckpt");
+  if (z_steps != d_steps || !torch::allclose(z_moments, d_moments, 1e-5, 1e-7) ||
+      !torch::allclose(weights_in(dir + "/z/last.ckpt"), weights_in(dir + "/d/last.ckpt"), 1e-5, 1e-7)) {
+    std::ostringstream d;
+    d << "steps";
+    for (std::size_t i = 0; i < z_steps.size(); ++i) d << " " << z_steps[i] << "/" << d_steps[i];
+    d << "; moments " << z_moments << " vs " << d_moments << "; weights " << weights_in(dir + "/z/last.ckpt") << " vs "
+      << weights_in(dir + "/d/last.ckpt");
+    fail("MISMATCH: the ZeRO checkpoint's weights or Adam state differ from DDP's at the same step: " + d.str());
+  }
+  struct Case {
+    const char* name;
+    const char* strategy;
+    int ranks;
+    const char* from;
+  };
+  for (const Case& c : {Case{"zero2 on 2 -> 1 rank", "ddp", 1, "z"}, Case{"zero2 on 2 -> zero1 on 4", "zero1", 4, "z"},
+                        Case{"ddp on 2 -> zero2 on 2", "zero2", 2, "d"}}) {
+    const std::string part2 = dir + "/" + c.strategy + std::to_string(c.ranks) + "_from_" + c.from;
+    job(c.ranks, {"index-fit", c.strategy, std::to_string(c.ranks), part2 + "_ckpt", part2, "-1",
+                  dir + "/" + c.from + "/last.ckpt"});
+    auto count = read_records(dir + "/" + c.from + "_part1", 2);
+    for (const auto& [k, n] : read_records(part2, c.ranks)) count[k] += n;
+    for (int64_t epoch = 0; epoch < 2; ++epoch) {
+      for (int64_t i = 0; i < 48; ++i) {
+        if (count[{epoch, i}] != 1) fail(std::string(c.name) + ": epoch " + std::to_string(epoch) + " sample " + std::to_string(i) + " seen " + std::to_string(count[{epoch, i}]) + " times");
+      }
+    }
+    const auto [from_steps, from_moments] = adam_state(dir + "/" + c.from + "/last.ckpt");
+    const auto [got_steps, got_moments] = adam_state(part2 + ".start.ckpt");
+    if (from_steps != got_steps || !torch::equal(from_moments, got_moments)) {
+      fail(std::string("MISMATCH: ") + c.name + ": the resumed run's Adam state is not the file's");
+    }
+    std::cout << c.name << ": every sample once, the file's Adam state  match" << std::endl;
+  }
   return 0;
 }
 
@@ -612,6 +722,9 @@ const Mode kModes[] = {
     {"n-to-m", 4, "<from> <to> <dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
        return n_to_m(std::stoi(a[2]), std::stoi(a[3]), a[4], after_dashes(argc, argv));
      }},
+    {"zero-resume", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
+       return zero_resume(a[2], after_dashes(argc, argv));
+     }},
     {"signal", 3, "single|mpirun-term|usr1-one-rank|spawn <dir> [-- <mpirun...>]",
      [](const std::vector<std::string>& a, int argc, char** argv) {
        return signal_case(a[2], a[3], a[2] == "single" || a[2] == "spawn" ? std::vector<std::string>{}
@@ -638,8 +751,9 @@ const Mode kModes[] = {
        if (a[2] == "spawn") return sig_fit<volt::DDP<volt::Spawn, volt::Mpi>>(a[3], a[4], std::stoi(a[5]), ckpt);
        return sig_fit<volt::SingleDevice>(a[3], a[4], std::stoi(a[5]), ckpt);
      }},
-    {"index-fit", 5, "<ranks> <dir> <record> <max_steps> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
-       return index_fit(std::stoi(a[2]), a[3], a[4], std::stoll(a[5]), a.size() > 6 ? a[6] : "");
+    {"index-fit", 6, "ddp|zero1|zero2 <ranks> <dir> <record> <max_steps> [ckpt]",
+     [](const std::vector<std::string>& a, int, char**) {
+       return index_fit(a[2], std::stoi(a[3]), a[4], a[5], std::stoll(a[6]), a.size() > 7 ? a[7] : "");
      }},
 };
 

@@ -763,6 +763,13 @@ TEST_CASE("max_time: the fit stops at a batch boundary with a checkpoint, return
   t3.fit(rest, loader(), volt::NoLoader{}, path);
   CHECK(t3.global_step() == 30);
   CHECK(same_weights(rest, ref));
+  // As Lightning's Timer, the time stops a fit only once min_steps (and min_epochs) are met: 12 steps of 40 ms
+  // against 1 ms.
+  Slow least;
+  volt::Trainer<> t4({.max_epochs = 3, .min_steps = 12, .max_time = std::chrono::milliseconds(1),
+                      .default_root_dir = (dir / "c").string()});
+  t4.fit(least, loader());
+  CHECK(t4.global_step() == 12);
 }
 
 TEST_CASE("overfit_batches: the same first batches, in order, for training and validation in every epoch",
@@ -799,6 +806,25 @@ TEST_CASE("overfit_batches: the same first batches, in order, for training and v
                             Contains("the validation loader shuffles"));
   CHECK(train.options().shuffle);  // given back as it was
   CHECK(val.options().shuffle);
+
+  // A checkpoint written during such a fit holds an unshuffled loader: a resume without overfit_batches is refused
+  // with the reason; with the same overfit_batches it goes on.
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_overfit_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  vt::Regressor a;
+  auto saving = volt::make_trainer({.max_epochs = 2, .overfit_batches = 2, .num_sanity_val_steps = 0},
+                                   volt::ModelCheckpoint({.dirpath = dir.string(), .save_last = true}));
+  saving.fit(a, train, val);
+  const std::string last = (dir / "last.ckpt").string();
+  vt::Regressor b;
+  volt::Trainer<> plain({.max_epochs = 3, .num_sanity_val_steps = 0});
+  CHECK_THROWS_WITH(plain.fit(b, train, val, last), Contains("shuffle false in the state vs true here") &&
+                                                         Contains("give both the same overfit_batches"));
+  vt::Regressor c;
+  volt::Trainer<> same({.max_epochs = 3, .overfit_batches = 2, .num_sanity_val_steps = 0});
+  same.fit(c, train, val, last);
+  CHECK(same.global_step() == 6);
+  std::filesystem::remove_all(dir);
 
   using T = volt::Trainer<>;
   CHECK_THROWS_WITH(T({.limit_train_batches = 3, .overfit_batches = 2}),

@@ -110,6 +110,14 @@ struct LoopState {
   ManualOptimization* manual = nullptr;              // the fit's manual step, under manual optimization
 };
 
+/// A duration as a clock shows it, rounded to seconds: "02:03", or "1:02:03" from an hour on (the progress bar's
+/// times, the max_time notice).
+inline std::string clock_text(double seconds) {
+  const auto t = static_cast<int64_t>(seconds + 0.5);
+  const auto two = [](int64_t v) { return std::string(v < 10 ? "0" : "") + std::to_string(v); };
+  return (t >= 3600 ? std::to_string(t / 3600) + ":" : std::string()) + two(t / 60 % 60) + ":" + two(t % 60);
+}
+
 /// An exception's message for a StepError: LibTorch's errors without the C++ backtrace LibTorch 1.x appends to
 /// every message (twenty frames for "Target 10 is out of bounds"), unless `TORCH_SHOW_CPP_STACKTRACES=1` asks for
 /// it, as LibTorch 2.x does; the nested original keeps it either way.

@@ -126,8 +126,8 @@ struct TrainerOptions {
   /// Run at least this many optimizer steps before a stop request takes effect.
   int64_t min_steps = 0;
   /// Stop training after this much time (`std::chrono::hours(12)`, `90min`), as Lightning's `max_time`: at the first
-  /// training batch boundary after it (rank zero's clock decides for every rank, in the collective stop signals
-  /// use), the fit writes a checkpoint as at a stop signal (SignalOptions) and returns as a finished fit does. The
+  /// training batch boundary after it where min_epochs and min_steps are met (rank zero's clock decides for every
+  /// rank, in the collective stop signals use), the fit writes a checkpoint as at a stop signal (SignalOptions) and returns as a finished fit does. The
   /// time of the fits it resumed from counts too (it is saved in checkpoints). Unset: no limit.
   std::optional<std::chrono::milliseconds> max_time;
 

@@ -182,9 +182,9 @@ struct CheckedSlots {
                 "volt: use Fp32, or an accelerator with has_bf16_autocast: this precision autocasts to bfloat16, "
                 "which the accelerator does not offer.");
   static_assert(first_broken_rule<S, P, A>() != Rule::graph_distributed,
-                "volt: use SingleDevice with Graphed<GPU>, or DDP with the GPU without Graphed (it keeps the fused "
-                "optimizers): graph mode runs in one process, since DDP reduces gradients from host hooks during "
-                "backward, which a captured step would run only once.");
+                "volt: use SingleDevice with Graphed<GPU>, or DDP or ZeRO with the GPU without Graphed (they keep "
+                "the fused optimizers): graph mode runs in one process, since DDP and ZeRO reduce gradients from "
+                "host hooks during backward, which a captured step would run only once.");
 
   static constexpr bool ok = rules_ok<S, P, A>;
   using strategy = typename bound_strategy_if<ok, S, A>::type;

@@ -354,7 +354,8 @@ class ModelCheckpoint {
     if (names.size() > 5) s << " and " << names.size() - 5 << " more";
     s << ") and this fit starts afresh: ";
     if (options_.enable_version_counter) {
-      s << "it replaces none of them, naming its own files -v1, -v2, ... where a name is taken (last-v1.ckpt).";
+      s << "it replaces none of them, naming its own files -v1, -v2, ... where a name is taken (last.ckpt -> "
+           "last-v1.ckpt).";
     } else {
       s << "enable_version_counter=false, so it replaces any of them whose name it writes.";
     }

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <exception>
 #include <iomanip>
 #include <iostream>
@@ -119,15 +118,6 @@ class ProgressBar {
   using Clock = std::chrono::steady_clock;
   static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-  static std::string clock_text(double s) {
-    const auto t = static_cast<int64_t>(s + 0.5);
-    std::ostringstream o;
-    o << std::setfill('0');
-    if (t >= 3600) o << t / 3600 << ":";
-    o << std::setw(2) << (t / 60) % 60 << ":" << std::setw(2) << t % 60;
-    return o.str();
-  }
-
   static std::string metrics_text(const std::map<std::string, torch::Tensor>& metrics) {
     std::ostringstream o;
     o << std::setprecision(4);
@@ -160,8 +150,8 @@ class ProgressBar {
       line << done << "/?";
     }
     line << std::fixed << std::setprecision(2) << "  " << rate << " it/s";
-    if (total_ > 0 && !final && rate > 0) line << "  ETA " << clock_text(static_cast<double>(total_ - done) / rate);
-    if (final) line << "  " << clock_text(elapsed);
+    if (total_ > 0 && !final && rate > 0) line << "  ETA " << detail::clock_text(static_cast<double>(total_ - done) / rate);
+    if (final) line << "  " << detail::clock_text(elapsed);
     line << std::defaultfloat << metrics_text(trainer.progress_bar_metrics());
     if (plain_) {
       *out_ << line.str() << "\n";

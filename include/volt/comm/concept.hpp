@@ -8,7 +8,9 @@
 /// | `static constexpr bool supports_cpu`, `supports_cuda` | which tensors it takes (checked against the accelerator at compile time) |
 /// | `Backend(detail::MpiGroup*, torch::Device)` | built once a run knows its processes and device (null group: a world of one) |
 /// | `iall_reduce_(t, Reduce) -> Work` | starts an in-place all-reduce; `Work::wait()` finishes it |
-/// | `all_reduce_(t, Reduce)`, `broadcast_(t, root)`, `all_gather(t) -> [world, ...]`, `barrier()` | blocking collectives |
+/// | `ireduce_scatter_(flat, Reduce) -> Work` | starts a reduce-scatter of a flat tensor of world-size equal blocks, in place: this rank's block (`detail::block_of`) ends up holding the reduction of every rank's block |
+/// | `iall_gather_(flat) -> Work` | starts an all-gather of a flat tensor in place: each rank gives its own block and ends up with every rank's |
+/// | `all_reduce_(t, Reduce)`, `reduce_scatter_(flat, Reduce)`, `all_gather_(flat)`, `broadcast_(t, root)`, `all_gather(t) -> [world, ...]`, `barrier()` | blocking collectives |
 ///
 /// Backends: `Mpi` (Open MPI; CPU tensors, CUDA ones staged through the host) and `Nccl` (CUDA tensors;
 /// needs the `volt::nccl` CMake target, which defines VOLT_WITH_NCCL). `AutoBackend` lets the strategy pick:
@@ -16,9 +18,14 @@
 
 #include "volt/context.hpp"
 
+#include <c10/util/StringUtil.h>
 #include <torch/types.h>
 
 #include <concepts>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #ifndef VOLT_WITH_NCCL
@@ -29,7 +36,26 @@ namespace volt {
 
 namespace detail {
 class MpiGroup;
+
+/// The size of each of `world` equal blocks of the flat tensor `flat` that reduce-scatter and all-gather work on;
+/// throws, naming `what`, unless `flat` is 1-D, contiguous and divides evenly.
+inline int64_t block_numel(const torch::Tensor& flat, int world, const char* what) {
+  if (flat.dim() != 1 || !flat.is_contiguous() || world < 1 || flat.numel() % world != 0 ||
+      flat.numel() / world > std::numeric_limits<int>::max() / 8) {
+    throw std::invalid_argument(std::string("volt: a flat ") + what + " takes a contiguous 1-D tensor of " +
+                                std::to_string(world) + " equal blocks (each under 2^28 elements), got shape " +
+                                c10::str(flat.sizes()) + (flat.is_contiguous() ? "" : ", not contiguous") +
+                                "; pad it to a multiple of the world size.");
+  }
+  return flat.numel() / world;
 }
+
+/// Rank `rank`'s block of the flat tensor `flat` cut into `world` equal blocks (a view).
+inline torch::Tensor block_of(const torch::Tensor& flat, int rank, int world) {
+  const int64_t n = flat.numel() / world;
+  return flat.narrow(0, rank * n, n);
+}
+}  // namespace detail
 
 class Mpi;
 class Nccl;  // defined in volt/comm/nccl.hpp when VOLT_WITH_NCCL
@@ -56,6 +82,10 @@ concept CollectiveBackend = requires(B& b, const torch::Tensor& t) {
   { B::name } -> std::convertible_to<const char*>;
   b.iall_reduce_(t, Reduce::sum).wait();
   b.all_reduce_(t, Reduce::sum);
+  b.ireduce_scatter_(t, Reduce::sum).wait();
+  b.reduce_scatter_(t, Reduce::sum);
+  b.iall_gather_(t).wait();
+  b.all_gather_(t);
   b.broadcast_(t, 0);
   { b.all_gather(t) } -> std::convertible_to<torch::Tensor>;
   b.barrier();

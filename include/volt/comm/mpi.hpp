@@ -67,12 +67,14 @@ class Mpi {
   static constexpr bool supports_cpu = true;
   static constexpr bool supports_cuda = true;  // staged through host memory
 
-  /// An all-reduce in flight; `wait()` finishes it (the result lands in the tensor given to `iall_reduce_`).
+  /// A collective in flight; `wait()` finishes it: the result, in `buffer`, is divided by the world size for a mean
+  /// and copied into `target` where the two differ (a staged or converted copy, or reduce-scatter's block).
+  /// `input` is kept alive for MPI to read until then.
   class Work {
    public:
     Work() = default;
-    Work(detail::MpiGroup* group, torch::Tensor target, torch::Tensor buffer, Reduce op)
-        : group_(group), target_(std::move(target)), buffer_(std::move(buffer)), op_(op) {}
+    Work(detail::MpiGroup* group, torch::Tensor target, torch::Tensor buffer, Reduce op, torch::Tensor input = {})
+        : group_(group), target_(std::move(target)), buffer_(std::move(buffer)), input_(std::move(input)), op_(op) {}
     MPI_Request* request() { return &request_; }
     void wait() {
       if (group_ == nullptr) return;
@@ -80,11 +82,12 @@ class Mpi {
       if (op_ == Reduce::mean) buffer_.div_(group_->size());
       if (buffer_.unsafeGetTensorImpl() != target_.unsafeGetTensorImpl()) target_.copy_(buffer_.view_as(target_));
       group_ = nullptr;
+      input_ = torch::Tensor();
     }
 
    private:
     detail::MpiGroup* group_ = nullptr;
-    torch::Tensor target_, buffer_;
+    torch::Tensor target_, buffer_, input_;
     Reduce op_ = Reduce::sum;
     MPI_Request request_ = MPI_REQUEST_NULL;
   };
@@ -137,6 +140,40 @@ class Mpi {
     return out.to(t.options());
   }
 
+  /// Starts a reduce-scatter of the flat tensor `flat` (1-D, size() equal blocks): once `wait()` returns, this rank's
+  /// block (`detail::block_of(flat, rank(), size())`) holds the reduction of every rank's block; the others are
+  /// left unspecified. One all-reduce's worth of bytes in two halves, with iall_gather_.
+  Work ireduce_scatter_(const torch::Tensor& flat, Reduce op) {
+    check_mean(flat, op);
+    const int64_t n = detail::block_numel(flat, size(), "reduce-scatter");
+    if (group_ == nullptr) return Work();
+    torch::Tensor input = detail::mpi_buffer(flat);
+    torch::Tensor block = torch::empty({n}, input.options());
+    Work work(group_, detail::block_of(flat, rank(), size()), block, op, input);
+    detail::mpi_check(MPI_Ireduce_scatter_block(input.data_ptr(), block.data_ptr(), static_cast<int>(n),
+                                                detail::mpi_type(input.scalar_type()), detail::mpi_op(op),
+                                                group_->comm(), work.request()),
+                      "MPI_Ireduce_scatter_block");
+    return work;
+  }
+  void reduce_scatter_(const torch::Tensor& flat, Reduce op) { ireduce_scatter_(flat, op).wait(); }
+
+  /// Starts an all-gather of the flat tensor `flat` in place (1-D, size() equal blocks): each rank gives its own
+  /// block; once `wait()` returns, every block holds its rank's. The bytes are copied as they are (float16 and
+  /// bfloat16 too).
+  Work iall_gather_(const torch::Tensor& flat) {
+    const int64_t n = detail::block_numel(flat, size(), "all-gather");
+    if (group_ == nullptr) return Work();
+    torch::Tensor buffer = flat.is_cpu() && flat.is_contiguous() ? flat : flat.to(torch::kCPU).contiguous();
+    Work work(group_, flat, buffer, Reduce::sum);
+    const int bytes = static_cast<int>(n * buffer.element_size());
+    detail::mpi_check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data_ptr(), bytes, MPI_BYTE,
+                                     group_->comm(), work.request()),
+                      "MPI_Iallgather");
+    return work;
+  }
+  void all_gather_(const torch::Tensor& flat) { iall_gather_(flat).wait(); }
+
   void barrier() {
     if (group_ == nullptr) return;
     MPI_Request request;
@@ -154,5 +191,7 @@ class Mpi {
 
   detail::MpiGroup* group_;
 };
+
+static_assert(CollectiveBackend<Mpi>);
 
 }  // namespace volt

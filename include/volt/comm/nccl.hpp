@@ -122,6 +122,33 @@ class Nccl {
     return out;
   }
 
+  /// In-place reduce-scatter of `flat` (size() equal blocks): this rank's block receives the reduction
+  /// (`ncclReduceScatter` with the receive buffer inside the send buffer, as NCCL allows).
+  Work ireduce_scatter_(const torch::Tensor& flat, Reduce op) {
+    check(flat);
+    const int64_t n = detail::block_numel(flat, size(), "reduce-scatter");
+    char* base = static_cast<char*>(flat.data_ptr());
+    detail::nccl_check(ncclReduceScatter(base, base + rank() * n * flat.element_size(), static_cast<size_t>(n),
+                                         detail::nccl_type(flat.scalar_type()), detail::nccl_op(op), comm_,
+                                         stream(flat)),
+                       "ncclReduceScatter");
+    return {};
+  }
+  void reduce_scatter_(const torch::Tensor& flat, Reduce op) { ireduce_scatter_(flat, op); }
+
+  /// In-place all-gather of `flat` (size() equal blocks): each rank gives its own block (`ncclAllGather` with the
+  /// send buffer inside the receive buffer).
+  Work iall_gather_(const torch::Tensor& flat) {
+    check(flat);
+    const int64_t n = detail::block_numel(flat, size(), "all-gather");
+    char* base = static_cast<char*>(flat.data_ptr());
+    detail::nccl_check(ncclAllGather(base + rank() * n * flat.element_size(), base, static_cast<size_t>(n),
+                                     detail::nccl_type(flat.scalar_type()), comm_, stream(flat)),
+                       "ncclAllGather");
+    return {};
+  }
+  void all_gather_(const torch::Tensor& flat) { iall_gather_(flat); }
+
   void barrier() {
     torch::Tensor one = torch::ones({1}, torch::TensorOptions().device(device_));
     all_reduce_(one, Reduce::sum);
@@ -151,6 +178,8 @@ class Nccl {
   torch::Device device_;
   ncclComm_t comm_ = nullptr;
 };
+
+static_assert(CollectiveBackend<Nccl>);
 
 }  // namespace volt
 #endif  // VOLT_WITH_NCCL

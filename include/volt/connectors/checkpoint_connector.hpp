@@ -296,8 +296,9 @@ void load_callbacks_state(std::tuple<Cs...>& callbacks, const Dict& states, cons
 
 /// What a full checkpoint holds besides the weights and the accumulated gradients: `write_fit_state` writes it.
 struct FitState {
-  /// Every optimizer, in configure_optimizers' order, and the schedulers of those that have one, in that order.
-  std::vector<const torch::optim::Optimizer*> optimizers;
+  /// Every optimizer's archive (the strategy's `optimizer_state`), in configure_optimizers' order, and the schedulers
+  /// of those that have one, in that order.
+  std::vector<at::Tensor> optimizers;
   std::vector<SchedulerOf> schedulers;
   std::map<std::string, double> precision;
   Dict loops = make_dict();
@@ -310,7 +311,7 @@ struct FitState {
 
 inline void write_fit_state(Dict& d, const FitState& s) {
   c10::List<at::Tensor> optimizers;
-  for (const torch::optim::Optimizer* o : s.optimizers) optimizers.push_back(optimizer_state(*o));
+  for (const at::Tensor& o : s.optimizers) optimizers.push_back(o);
   d.insert(keys::optimizer_states, optimizers);
   d.insert(keys::lr_schedulers, schedulers_to_state(s.schedulers));
   d.insert(keys::precision, from_map(s.precision));

@@ -29,9 +29,10 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
                           path + ".");
   }
   // Every rank's share, gathered on every rank (collectives): generator states and mid-window gradients.
-  std::vector<at::Tensor> rng;
+  std::vector<at::Tensor> rng, optimizers;
   c10::impl::GenericList grads(c10::AnyType::get());
   if (!weights_only) {
+    for (auto& o : optim_) optimizers.push_back(strategy_.optimizer_state(o.optimizer()));  // ZeRO gathers its pieces
     for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
     // Gradients accumulated so far in this window, or (manual optimization) the module's gradients.
     if (progress_.keeps_grads || (progress_.in_train_batch && progress_.mid_window)) {
@@ -51,7 +52,7 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
       std::vector<int64_t> optimizer_steps;
       for (std::size_t i = 0; i < optim_.size(); ++i) {
         const detail::ScheduledOptimizer& o = optim_[i];
-        fit.optimizers.push_back(o.config.optimizer.get());
+        fit.optimizers.push_back(optimizers[i]);
         if (o.config.scheduler) fit.schedulers.push_back({o.config.scheduler.get(), static_cast<int64_t>(i)});
         optimizer_steps.push_back(o.steps);
       }
@@ -131,7 +132,7 @@ detail::ResumePoint Trainer<S, P, A, Cs...>::restore(Impl& module, TL& train_loa
       torch::optim::Optimizer& o = optim_[i].optimizer();
       const at::Tensor backup = checkpoint::optimizer_state(o);
       try {
-        checkpoint::load_optimizer_state(o, r.optimizers[i], path);  // refuses a state that does not fit, unchanged
+        strategy_.load_optimizer_state(o, r.optimizers[i], path);  // refuses a state that does not fit, unchanged
       } catch (const CheckpointError& e) {
         if (optim_.size() == 1) throw;
         throw CheckpointError(std::string(e.what()) + " (It is optimizer " + std::to_string(i) + " of " +

@@ -182,6 +182,7 @@ class StatefulLoader {
   /// Throws unless `state` fits this loader, naming every difference.
   void check_state(const LoaderState& state) const {
     std::ostringstream diff;
+    diff << std::boolalpha;
     auto differ = [&](const char* what, auto saved, auto here) {
       if (saved != here) diff << " " << what << " " << saved << " in the state vs " << here << " here;";
     };
@@ -191,8 +192,13 @@ class StatefulLoader {
     differ("shuffle", state.shuffle, options_.shuffle);
     differ("drop_last", state.drop_last, options_.drop_last);
     if (!diff.str().empty()) {
+      // A fit with overfit_batches runs its loaders unshuffled (set_shuffle), and its checkpoints say so.
+      const std::string overfit = state.shuffle != options_.shuffle
+                                      ? " (or, where one of the two fits had overfit_batches, which turns shuffling "
+                                        "off, give both the same overfit_batches)"
+                                      : "";
       throw std::invalid_argument("volt: this loader state does not fit the loader:" + diff.str() +
-                                  " build the loader as it was when the state was saved.");
+                                  " build the loader as it was when the state was saved" + overfit + ".");
     }
     if (state.epoch < 0 || state.consumed < 0 || state.consumed > state.dataset_size) {
       throw std::invalid_argument("volt: loader state epoch=" + std::to_string(state.epoch) + " consumed=" +

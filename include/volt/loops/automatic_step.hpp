@@ -44,14 +44,14 @@ class AutomaticStep {
     // for the step's activations, while zeroing after the forward makes the allocator hand memory back to the system
     // and fault it in again at every step (5% of a small MLP's step on the CPU; bench/trainer_vs_raw).
     constexpr bool zero_seen = zero_grad_observed<T, Impl>(static_cast<typename T::callback_tuple*>(nullptr));
-    if (!zero_seen && w.starts) zero_grad(optimizer);
+    if (!zero_seen && w.starts) t_.strategy_.zero_grad(optimizer);
     torch::Tensor loss = t_.with_device_batch(batch, [&](auto& b) -> torch::Tensor {
       [[maybe_unused]] auto guard = t_.precision_.forward_context(T::accelerator_type::device_type);
       return run_module_step(t_.state_, "training_step", [&] { return module.training_step(b, ctx); });
     });
     if (zero_seen && w.starts) {  // also when the step returned no loss, as Lightning zeroes them
       t_.template hook<hooks::on_before_zero_grad>(module, ctx, optimizer);
-      zero_grad(optimizer);
+      t_.strategy_.zero_grad(optimizer);
     }
     if (!loss.defined()) return loss;
     const torch::Tensor scaled = w.size > 1 ? loss / static_cast<double>(w.size) : loss;
@@ -64,9 +64,9 @@ class AutomaticStep {
       t_.precision_.unscale_gradients(optimizer);
       t_.template hook<hooks::on_before_optimizer_step>(module, ctx, optimizer);
       if (const auto& clip = t_.options_.gradient_clip_val; clip && *clip > 0.0) {
-        clip_gradients(t_.params_, *clip, t_.options_.gradient_clip_algorithm);
+        t_.strategy_.clip_gradients(t_.params_, *clip, t_.options_.gradient_clip_algorithm);
       }
-      t_.precision_.optimizer_step(optimizer);
+      t_.strategy_.optimizer_step(t_.precision_, optimizer);
       t_.precision_.update();
       t_.count_optimizer_step(slot);
     }

@@ -10,7 +10,6 @@
 #include <torch/csrc/autograd/anomaly_mode.h>
 
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
@@ -36,19 +35,6 @@ using training_step_t = std::conditional_t<
 struct TimeUp {
   std::string notice;
 };
-
-/// "1:02:03" (or "02:03" under an hour) for a duration, rounded to seconds.
-inline std::string clock_text(std::chrono::milliseconds d) {
-  const int64_t t = (d.count() + 500) / 1000;
-  char buf[32];
-  if (t >= 3600) {
-    std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", static_cast<long long>(t / 3600),
-                  static_cast<long long>(t / 60 % 60), static_cast<long long>(t % 60));
-  } else {
-    std::snprintf(buf, sizeof buf, "%02lld:%02lld", static_cast<long long>(t / 60), static_cast<long long>(t % 60));
-  }
-  return buf;
-}
 
 /// While it lives, a loader that shuffles (volt's loaders: `set_shuffle`) does not, for overfit_batches: the same
 /// batches every epoch, as Lightning. Rank zero says so once per loader.
@@ -94,6 +80,10 @@ concept FindsLastCheckpoint = requires(const C& c, const T& t) {
 template <class S, class P, class A, class... Cs>
 template <class Impl, class TL, class VL>
 void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const std::string& ckpt_path) {
+  static_assert(!(manual_optimization<Impl> && detail::shards_optimizer_state<strategy_type>),
+                "volt: train a module with manual optimization under DDP, or let ZeRO step it automatically: ZeRO "
+                "steps each rank's shard of the optimizer after the gradients' reduce-scatter and gathers the "
+                "parameters after it, which a training_step's own optimizer.step() would bypass.");
   state_ = detail::LoopState{};
   progress_ = detail::FitProgress{};
   train_store_.clear();
@@ -137,6 +127,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     ckpt_path_ = resume_from;
     hook<detail::hooks::setup>(module, ctx, Stage::train);
     optim_ = detail::scheduled_optimizers(module.configure_optimizers());
+    for (auto& o : optim_) strategy_.setup_optimizer(o.optimizer());  // ZeRO: this rank's pieces
     params_ = module.parameters();
     progress_.keeps_grads = manual_optimization<Impl>;
 
@@ -447,7 +438,8 @@ void Trainer<S, P, A, Cs...>::run_validation(Impl& module, VL* val) {
   }
 }
 
-/// At a training batch boundary: every rank reads its signal flag, rank zero its clock against max_time, and all
+/// At a training batch boundary: every rank reads its signal flag, rank zero its clock against max_time (once
+/// min_epochs and min_steps are met, as Lightning's Timer), and all
 /// agree in one host collective (twice the largest signal number, plus one for the time: one rank's signal stops
 /// all, and a signal wins over the time). Either way a full checkpoint where "last" finds it and the loggers
 /// flushed; on a signal a SLURM job requeued when asked, then volt::Interrupted to the top of fit (SignalOptions);
@@ -456,7 +448,7 @@ template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::stop_if_asked() {
   const bool timed = options_.max_time.has_value();
   if (!options_.signals.enabled && !timed) return;
-  const bool time_up = timed && strategy_.is_global_zero() &&
+  const bool time_up = timed && strategy_.is_global_zero() && can_stop_early() &&
                        progress_.time_elapsed() >= std::chrono::duration<double>(*options_.max_time).count();
   const int code = strategy_.host_max((options_.signals.enabled ? cluster::pending_signal() : 0) * 2 + (time_up ? 1 : 0));
   if (code == 0) return;
@@ -470,7 +462,10 @@ void Trainer<S, P, A, Cs...>::stop_if_asked() {
   const std::string where = "stopped at epoch " + std::to_string(state_.current_epoch) + ", step " +
                             std::to_string(state_.global_step) + " and saved " + path + " (resume with fit(..., " +
                             (finds_last ? "\"last\") or fit(..., \"" : "\"") + path + "\")).";
-  if (sig == 0) throw detail::TimeUp{"volt: max_time (" + detail::clock_text(*options_.max_time) + ") reached; " + where};
+  if (sig == 0) {
+    const double limit = std::chrono::duration<double>(*options_.max_time).count();
+    throw detail::TimeUp{"volt: max_time (" + detail::clock_text(limit) + ") reached; " + where};
+  }
   std::string requeue;
   if (strategy_.is_global_zero() && cluster::should_requeue(options_.signals, sig)) {
     const std::string failed = cluster::requeue_slurm_job();

@@ -91,6 +91,16 @@ class GradScaler {
     }
   }
 
+  /// Unscales if that was not done yet, then passes the inf/NaN flag of `optimizer`'s gradients (float32 [1], nonzero
+  /// where one was found) to `reduce`, which makes it agree across ranks whose gradients are shards of one model
+  /// (ZeRO: the max over ranks), so that every rank skips the same steps.
+  template <class F>
+  void agree_found_inf(torch::optim::Optimizer& optimizer, F&& reduce) {
+    if (state_of(optimizer).stage == Stage::ready) unscale_(optimizer);
+    PerOptimizer& st = state_of(optimizer);
+    if (st.found_inf.defined()) reduce(st.found_inf);
+  }
+
   /// Unscales if that was not done yet, then runs `optimizer.step()` unless an inf/NaN was found in its gradients.
   /// Returns whether the optimizer stepped.
   bool step(torch::optim::Optimizer& optimizer) {

@@ -28,17 +28,27 @@
 /// | `host_max(int) -> int` | the largest value over the ranks, reduced on the host (no device synchronisation): the stop-signal agreement at each training batch |
 /// | `host_all_gather(const std::string&) -> std::vector<std::string>` | every rank's bytes, in rank order, on every rank (predict's gathered results) |
 /// | `pre_backward(bool sync)`, `post_backward()` | around each backward; `sync` is true on the micro-batch that steps |
+/// | `setup_optimizer(torch::optim::Optimizer&)` | once per fit, after `configure_optimizers` (ZeRO gives it this rank's pieces) |
+/// | `zero_grad(torch::optim::Optimizer&)` | the gradients an optimizer steps, cleared (automatic optimization) |
+/// | `clip_gradients(params, value, ClipAlgorithm)` | the module's gradients clipped (ZeRO: the norm over every rank's pieces) |
+/// | `optimizer_step(Precision&, torch::optim::Optimizer&) -> bool` | the precision's step, and what follows it (ZeRO: the all-gather) |
+/// | `optimizer_state(torch::optim::Optimizer&) -> at::Tensor` | collective: the optimizer's archive for rank zero's checkpoint (empty elsewhere) |
+/// | `load_optimizer_state(torch::optim::Optimizer&, const at::Tensor&, path)` | loads such an archive (refused, unchanged, when it does not fit) |
 /// | `teardown()` | after a run, also one that failed |
 ///
 /// Writing your own: derive from `StrategyDefaults` (a world of one with no gradient work: its collectives
 /// are identities, the backward hooks and teardown no-ops, no backend) and write the rest; copy `SingleDevice`
 /// for a start. The phases (a), (b), (c) are defined in volt/rules.hpp.
 
+#include "volt/checkpoint.hpp"
 #include "volt/context.hpp"
 #include "volt/detail/fit_transfer.hpp"
+#include "volt/detail/torch_compat.hpp"
+#include "volt/loops/optimization.hpp"
 #include "volt/options.hpp"
 
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
 #include <concepts>
@@ -62,7 +72,7 @@ struct ProbeTransfer {
 template <class S>
 concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, torch::nn::Module& m,
                             const torch::Tensor& t, std::vector<torch::Tensor>& loader,
-                            detail::ProbeTransfer& transfer) {
+                            detail::ProbeTransfer& transfer, torch::optim::Optimizer& optimizer) {
   { S::is_distributed } -> std::convertible_to<bool>;
   { S::name } -> std::convertible_to<const char*>;
   { S::replicates_module } -> std::convertible_to<bool>;
@@ -87,8 +97,19 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
   { s.host_all_gather(std::string()) } -> std::convertible_to<std::vector<std::string>>;
   s.pre_backward(true);
   s.post_backward();
+  s.setup_optimizer(optimizer);
+  s.zero_grad(optimizer);
+  s.clip_gradients(std::vector<at::Tensor>{}, 1.0, ClipAlgorithm::norm);
+  { s.optimizer_state(optimizer) } -> std::convertible_to<at::Tensor>;
+  s.load_optimizer_state(optimizer, t, std::string());
   s.teardown();
 };
+
+namespace detail {
+/// Whether strategy `S` shards the optimizer's state (ZeRO): it then steps the optimizer itself, automatically.
+template <class S>
+inline constexpr bool shards_optimizer_state = requires { requires S::shards_optimizer_state; };
+}  // namespace detail
 
 /// The members a strategy without processes or gradient work shares: one rank's collectives, no backend,
 /// no-op backward hooks and teardown. A strategy that derives from it redefines what differs.
@@ -106,6 +127,22 @@ struct StrategyDefaults {
   std::vector<std::string> host_all_gather(const std::string& bytes) { return {bytes}; }
   void pre_backward(bool /*sync*/) {}
   void post_backward() {}
+  void setup_optimizer(torch::optim::Optimizer& /*optimizer*/) {}
+  void zero_grad(torch::optim::Optimizer& optimizer) { detail::zero_grad(optimizer); }
+  /// The gradients of `params` clipped in place (LibTorch's arithmetic, read on the host).
+  void clip_gradients(const std::vector<at::Tensor>& params, double value, ClipAlgorithm algorithm) {
+    detail::clip_gradients(params, value, algorithm);
+  }
+  /// The precision's step (false: skipped for an inf/NaN).
+  template <class P>
+  bool optimizer_step(P& precision, torch::optim::Optimizer& optimizer) {
+    return precision.optimizer_step(optimizer);
+  }
+  /// A world of one: the optimizer's archive.
+  at::Tensor optimizer_state(torch::optim::Optimizer& optimizer) { return checkpoint::optimizer_state(optimizer); }
+  void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& bytes, const std::string& path) {
+    checkpoint::load_optimizer_state(optimizer, bytes, path);
+  }
   void teardown() {}
 };
 

@@ -108,11 +108,25 @@ class DDP : public detail::ProcessGroupStrategy<L, B> {
     reducer_.reset();
   }
 
+  /// Bytes of gradients this rank holds between steps: the module's `.grad` and the reducer's buckets.
+  std::size_t gradient_bytes() const {
+    std::size_t bytes = 0;
+    for (const auto& p : params_) {
+      if (p.grad().defined()) bytes += static_cast<std::size_t>(p.grad().numel()) * p.grad().element_size();
+    }
+    if (reducer_) {
+      for (const auto& b : reducer_->buckets()) {
+        if (b.flat.defined()) bytes += static_cast<std::size_t>(b.flat.numel()) * b.flat.element_size();
+      }
+    }
+    return bytes;
+  }
+
   /// The gradient buckets of the running or last fit (parameter indices in fill order); empty before the
   /// first backward.
   std::vector<std::vector<std::size_t>> bucket_layout() const { return reducer_ ? reducer_->bucket_layout() : layout_; }
 
- private:
+ protected:
   void warn_once(const char* what) {
     if (!warned_ && this->is_global_zero() && this->world_size() > 1) {
       warned_ = true;

@@ -119,6 +119,11 @@ class ProcessGroupStrategy : public StrategyDefaults {
     return procs_.group->all_gather_bytes(bytes);
   }
 
+  /// Rank zero's checkpoint holds the optimizer's archive; the other ranks make none.
+  at::Tensor optimizer_state(torch::optim::Optimizer& optimizer) {
+    return is_global_zero() ? checkpoint::optimizer_state(optimizer) : at::Tensor();
+  }
+
   B& backend() {
     if (!backend_) throw std::logic_error("volt: collectives were used before the strategy's set-up.");
     return *backend_;

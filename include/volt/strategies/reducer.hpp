@@ -16,6 +16,11 @@
 /// optimization's `toggle_optimizer`, keeps its `.grad` untouched, and a bucket with no such parameter is not
 /// reduced at all. A parameter that starts to require gradients after the reducer was built is adopted: it gets its
 /// hook and the buckets are laid out again (the same way on every rank).
+///
+/// The sharded strategy (ZeRO) reduce-scatters the buckets instead (`GradSync::reduce_scatter`): each bucket is padded
+/// to a multiple of the world size, and after `finish` this rank's block of each bucket holds the averaged gradients
+/// of the elements it owns; the module's `.grad` of the parameters that took part are dropped (their averages live in
+/// the blocks). Its layout is fixed once made: a parameter that starts to require gradients later is refused.
 
 #include "volt/context.hpp"
 
@@ -33,13 +38,32 @@ namespace volt::detail {
 inline constexpr std::size_t kFirstBucketBytes = std::size_t{1} << 20;
 inline constexpr std::size_t kBucketBytes = std::size_t{25} << 20;
 
+/// What a bucket's collective leaves: every rank the whole average (DDP), or each rank its block of it (ZeRO).
+enum class GradSync { all_reduce, reduce_scatter };
+
 template <class Backend>
 class Reducer {
  public:
+  /// A bucket of gradients: its parameters' indices, where each starts in `flat`, and the flat buffer itself
+  /// (reduce-scatter: padded to a multiple of the world size; undefined between backwards after `release_flats`).
+  struct Bucket {
+    std::vector<std::size_t> members;
+    std::vector<int64_t> offsets;
+    std::vector<char> arrived;
+    /// Which members require gradients in this backward, and whether any does (else the bucket is not reduced).
+    std::vector<char> taking_part;
+    bool active = true;
+    torch::Tensor flat;
+    int64_t numel = 0;  // the flat buffer's length, padding included
+    std::size_t pending = 0;
+    bool ready = false;
+    typename Backend::Work work;
+  };
+
   Reducer(std::vector<torch::Tensor> params, Backend& backend, int world_size, std::size_t first_bucket_bytes = kFirstBucketBytes,
-          std::size_t bucket_bytes = kBucketBytes)
+          std::size_t bucket_bytes = kBucketBytes, GradSync sync = GradSync::all_reduce)
       : params_(std::move(params)), backend_(&backend), world_size_(world_size), first_cap_(first_bucket_bytes),
-        cap_(bucket_bytes), hooks_(params_.size(), -1) {
+        cap_(bucket_bytes), sync_(sync), hooks_(params_.size(), -1) {
     adopt();
   }
   Reducer(const Reducer&) = delete;
@@ -51,6 +75,11 @@ class Reducer {
   }
 
   std::size_t num_buckets() const { return buckets_.size(); }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  /// Frees every bucket's flat buffer until the next synchronised backward (ZeRO stage 2 keeps only its blocks).
+  void release_flats() {
+    for (auto& b : buckets_) b.flat = torch::Tensor();
+  }
   /// Parameter indices of each bucket, in the order they fill it.
   std::vector<std::vector<std::size_t>> bucket_layout() const {
     std::vector<std::vector<std::size_t>> out;
@@ -65,6 +94,7 @@ class Reducer {
     if (!armed_) return;
     next_launch_ = 0;
     for (auto& b : buckets_) {
+      if (!b.flat.defined()) b.flat = torch::zeros({b.numel}, params_[b.members.front()].options().requires_grad(false));
       b.pending = 0;
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         b.taking_part[k] = params_[b.members[k]].requires_grad() ? 1 : 0;
@@ -99,6 +129,12 @@ class Reducer {
     for (auto& b : buckets_) {
       if (!b.active) continue;
       b.work.wait();
+      if (sync_ == GradSync::reduce_scatter) {  // the averages are in the blocks; the local sums are spent
+        for (std::size_t k = 0; k < b.members.size(); ++k) {
+          if (b.taking_part[k]) params_[b.members[k]].mutable_grad() = torch::Tensor();
+        }
+        continue;
+      }
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         if (!b.taking_part[k]) continue;
         torch::Tensor& p = params_[b.members[k]];
@@ -114,19 +150,6 @@ class Reducer {
   }
 
  private:
-  struct Bucket {
-    std::vector<std::size_t> members;
-    std::vector<int64_t> offsets;
-    std::vector<char> arrived;
-    /// Which members require gradients in this backward, and whether any does (else the bucket is not reduced).
-    std::vector<char> taking_part;
-    bool active = true;
-    torch::Tensor flat;
-    std::size_t pending = 0;
-    bool ready = false;
-    typename Backend::Work work;
-  };
-
   /// Hooks the parameters that require gradients and have none yet; lays the buckets out again when there were any.
   void adopt() {
     bool adopted = false;
@@ -135,7 +158,12 @@ class Reducer {
       hooks_[i] = static_cast<int>(params_[i].register_hook([this, i](const torch::Tensor& grad) { on_grad(i, grad); }));
       adopted = true;
     }
-    if (adopted) build_buckets(first_cap_, cap_);
+    if (!adopted) return;
+    if (sync_ == GradSync::reduce_scatter && !buckets_.empty()) {
+      throw ConfigError("volt: a parameter started to require gradients during a sharded (ZeRO) fit; the shards are "
+                        "laid out once, at the fit's start: unfreeze it before fit, or use DDP.");
+    }
+    build_buckets(first_cap_, cap_);
   }
 
   void build_buckets(std::size_t first_cap, std::size_t cap) {
@@ -154,7 +182,7 @@ class Reducer {
       const bool fits = open != nullptr && open->flat.scalar_type() == p.scalar_type() &&
                         open->flat.device() == p.device() && open_bytes + bytes <= limit;
       if (!fits) {
-        if (open != nullptr) open->flat = torch::zeros({offset_}, open->flat.options());
+        if (open != nullptr) close_bucket(*open);
         buckets_.push_back(Bucket{});
         open = &buckets_.back();
         open->flat = torch::empty({0}, p.options().requires_grad(false));
@@ -170,7 +198,13 @@ class Reducer {
       offset_ += p.numel();
       open_bytes += bytes;
     }
-    if (open != nullptr) open->flat = torch::zeros({offset_}, open->flat.options());
+    if (open != nullptr) close_bucket(*open);
+  }
+
+  /// The open bucket's buffer, once its members are known (padded for a reduce-scatter).
+  void close_bucket(Bucket& b) {
+    b.numel = sync_ == GradSync::reduce_scatter ? (offset_ + world_size_ - 1) / world_size_ * world_size_ : offset_;
+    b.flat = torch::zeros({b.numel}, b.flat.options());
   }
 
   void on_grad(std::size_t i, const torch::Tensor& grad) {
@@ -200,7 +234,9 @@ class Reducer {
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
       Bucket& b = buckets_[next_launch_++];
-      if (b.active) b.work = backend_->iall_reduce_(b.flat, Reduce::sum);
+      if (!b.active) continue;
+      b.work = sync_ == GradSync::all_reduce ? backend_->iall_reduce_(b.flat, Reduce::sum)
+                                             : backend_->ireduce_scatter_(b.flat, Reduce::sum);
     }
   }
 
@@ -208,6 +244,7 @@ class Reducer {
   Backend* backend_;
   int world_size_;
   std::size_t first_cap_, cap_;
+  GradSync sync_;
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_, slot_of_;
   std::vector<int> hooks_;

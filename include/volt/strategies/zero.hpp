@@ -1,0 +1,472 @@
+#pragma once
+/// \file
+/// `volt::ZeRO<Stage, Launcher, Backend>`: data parallelism with the optimizer state sharded across ranks (stage 1)
+/// and the gradients too (stage 2), as DeepSpeed's ZeRO stages 1 and 2 (arXiv:1910.02054). DDP keeps a whole copy of
+/// the weights, gradients and optimizer state on every rank; with Adam the state is twice the weights. Here each rank
+/// keeps the state of 1/W of the elements, and the gradients travel as a reduce-scatter plus an all-gather of the
+/// weights: the bytes of one all-reduce, so the memory comes at no communication cost.
+///
+///  - set-up, data, logging, decisions: as DDP (it derives from it);
+///  - layout, at the fit's start (after `configure_optimizers`): the parameters that require gradients are laid out in
+///    DDP's buckets (reverse order, so communication starts during backward; by dtype and device), each padded to a
+///    multiple of the world size W, and each parameter becomes a view into its bucket's flat buffer. Rank r owns block
+///    r of every bucket. The optimizer's parameter groups are given, in place of each parameter, the piece of it that
+///    falls in this rank's blocks, before its first step: its state (made at its first step) covers those pieces only;
+///  - gradients: on the micro-batch that steps, each bucket is reduce-scattered (averaged) as soon as its last
+///    gradient arrives, in bucket order on every rank; the pieces' gradients are this rank's reduced block, and the
+///    module's `.grad` are dropped. Stage 1 keeps every bucket's full gradient buffer between steps, stage 2 only its
+///    block (the buffer is made again for each synchronised backward). Micro-batches that only accumulate do so in
+///    `.grad`, locally, as under DDP;
+///  - the step: gradient clipping reduces the squared norm across ranks (Fp16Mixed's inf check likewise, so every rank
+///    skips the same steps); each rank steps its pieces, then every bucket is all-gathered in place;
+///  - checkpoints: the pieces' states are gathered and written in the layout of an unsharded run (`torch.load` reads
+///    it; DDP and one process resume it), and a resume cuts the file's state by this run's world size, so a run saved
+///    on N ranks resumes on M.
+/// What it is not (refused at compile time): manual optimization and graph mode.
+///
+/// \code
+///   volt::Trainer<volt::ZeRO<2, volt::Spawn>, volt::Bf16Mixed, volt::GPU> trainer({.devices = 8});
+///   volt::Trainer<volt::ZeRO<1, volt::Script, volt::Mpi>, volt::Fp32, volt::CPU> cpu({.devices = 2});
+/// \endcode
+
+#include "volt/loops/optimization.hpp"
+#include "volt/strategies/ddp.hpp"
+#include "volt/strategies/reducer.hpp"
+#include "volt/strategies/zero_state.hpp"
+
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+namespace detail {
+
+/// `numel` elements of the flat tensor `flat` from `offset`, as a tensor of its own sharing the storage (not an
+/// autograd view: LibTorch 1.x's zero_grad detaches gradients in place, which views refuse).
+inline at::Tensor alias(const at::Tensor& flat, int64_t offset, int64_t numel) {
+  torch::NoGradGuard no_grad;
+  return torch::empty({0}, flat.options()).set_(flat.storage(), flat.storage_offset() + offset, {numel}, {1});
+}
+
+/// The elements of one parameter that fall in this rank's block of its bucket: what the sharded optimizer steps.
+struct ShardPiece {
+  std::size_t param = 0;       // index among the module's parameters
+  std::size_t bucket = 0;      // the reducer's bucket
+  std::size_t slot = 0;        // the parameter's place in that bucket
+  int64_t param_offset = 0;    // its first element within the flattened parameter
+  int64_t bucket_offset = 0;   // and within the bucket
+  int64_t numel = 0;
+  at::Tensor tensor;           // shares the bucket's parameter buffer
+};
+
+/// The module's parameters laid out in the reducer's buckets, and this rank's pieces of them.
+class ShardLayout {
+ public:
+  /// Copies every bucket's parameters into one flat buffer and makes each parameter a view into it.
+  template <class Bucket>
+  ShardLayout(const std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params, int rank, int world)
+      : rank_(rank), world_(world), locations_(params.size()) {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < buckets.size(); ++i) {
+      const Bucket& b = buckets[i];
+      at::Tensor flat = torch::zeros({b.numel}, params[b.members.front()].options().requires_grad(false));
+      for (std::size_t k = 0; k < b.members.size(); ++k) {
+        at::Tensor p = params[b.members[k]];
+        at::Tensor view = flat.narrow(0, b.offsets[k], p.numel());
+        view.copy_(p.detach().reshape(-1));
+        p.set_data(view.view(p.sizes()));
+        locations_[b.members[k]] = Location{i, b.offsets[k], true};
+        add_piece(i, k, b.members[k], b.offsets[k], p.numel(), flat, b.numel / world);
+      }
+      flats_.push_back(std::move(flat));
+    }
+  }
+
+  const std::vector<ShardPiece>& pieces() const { return pieces_; }
+  /// Every bucket's parameters, flat (padded).
+  const std::vector<at::Tensor>& flats() const { return flats_; }
+  /// This rank's piece of parameter `param`, or null.
+  const ShardPiece* piece_of(std::size_t param) const {
+    const auto it = piece_index_.find(param);
+    return it == piece_index_.end() ? nullptr : &pieces_[it->second];
+  }
+  int64_t block_start(std::size_t bucket) const { return rank_ * (flats_[bucket].numel() / world_); }
+  /// Where parameter `param` lies: its bucket and offset, if it was laid out (it required gradients at the fit's start).
+  struct Location {
+    std::size_t bucket = 0;
+    int64_t offset = 0;
+    bool laid_out = false;
+  };
+  const Location& location(std::size_t param) const { return locations_[param]; }
+
+ private:
+  void add_piece(std::size_t bucket, std::size_t slot, std::size_t param, int64_t offset, int64_t numel,
+                 const at::Tensor& flat, int64_t block) {
+    const int64_t lo = std::max(offset, rank_ * block), hi = std::min(offset + numel, (rank_ + 1) * block);
+    if (lo >= hi) return;
+    piece_index_[param] = pieces_.size();
+    pieces_.push_back(ShardPiece{param, bucket, slot, lo - offset, lo, hi - lo, alias(flat, lo, hi - lo)});
+  }
+
+  int rank_, world_;
+  std::vector<Location> locations_;
+  std::vector<at::Tensor> flats_;
+  std::vector<ShardPiece> pieces_;
+  std::unordered_map<std::size_t, std::size_t> piece_index_;
+};
+
+}  // namespace detail
+
+template <int Stage, class L = Script, class B = AutoBackend>
+class ZeRO : public DDP<L, B> {
+  static_assert(Stage == 1 || Stage == 2, "volt: ZeRO<Stage, ...> takes stage 1 (the optimizer state sharded) or 2 "
+                                          "(the gradients too); stage 3 (the parameters too) is not there yet.");
+  using Base = DDP<L, B>;
+
+ public:
+  static constexpr const char* name = Stage == 1 ? "ZeRO<1>" : "ZeRO<2>";
+  static constexpr int stage = Stage;
+  static constexpr bool shards_optimizer_state = true;
+  /// The strategy the Trainer runs for accelerator `A` (the backend resolved).
+  template <class A>
+  using with_accelerator = ZeRO<Stage, L, resolve_backend_t<B, A>>;
+
+  ZeRO() { this->spec_.strategy = name; }
+
+  /// Lays the parameters out (at each fit's start: the module was placed, broadcast and cast by then) and gives
+  /// `optimizer` this rank's pieces in place of the parameters. The layout stays after the fit, so that validate,
+  /// test or a save after it see the parameters and optimizer as the fit left them.
+  void setup_optimizer(torch::optim::Optimizer& optimizer) {
+    drop_layout();  // once per fit: automatic optimization has one optimizer
+    detail::with_state_codec(optimizer, [](auto) {});  // refuses an optimizer whose state is not elementwise
+    if (!optimizer.state().empty()) {
+      throw ConfigError("volt: ZeRO shards an optimizer before its first step; the one configure_optimizers returned "
+                        "already holds state. Load state through fit(..., ckpt_path) instead.");
+    }
+    if (!reducer_) {
+      reducer_ = std::make_unique<detail::Reducer<B>>(this->params_, this->backend(), this->world_size(),
+                                                      this->first_bucket_bytes_, this->bucket_bytes_,
+                                                      detail::GradSync::reduce_scatter);
+      shards_ = std::make_unique<detail::ShardLayout>(reducer_->buckets(), this->params_, this->global_rank(),
+                                                      this->world_size());
+      if constexpr (Stage == 2) {
+        for (const at::Tensor& flat : shards_->flats()) grad_blocks_.push_back(torch::zeros({flat.numel() / this->world_size()}, flat.options()));
+      }
+    }
+    std::vector<std::vector<at::Tensor>> full;
+    for (auto& group : optimizer.param_groups()) {
+      full.push_back(group.params());
+      group.params() = pieces_for(group.params());
+    }
+    full_params_[&optimizer] = std::move(full);
+  }
+
+  /// The pieces' gradients and the module's.
+  void zero_grad(torch::optim::Optimizer& optimizer) {
+    detail::zero_grad(optimizer);
+    for (auto& p : this->params_) {
+      if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+    }
+  }
+
+  void pre_backward(bool sync) {
+    require_layout();
+    synced_ = sync;
+    reducer_->prepare(sync);
+  }
+  /// After a synchronised backward: the pieces' gradients are this rank's averaged blocks.
+  void post_backward() {
+    reducer_->finish();
+    if (!synced_) return;
+    synced_ = false;
+    const auto& buckets = reducer_->buckets();
+    if constexpr (Stage == 2) {
+      for (std::size_t i = 0; i < buckets.size(); ++i) {
+        grad_blocks_[i].copy_(detail::block_of(buckets[i].flat, this->global_rank(), this->world_size()));
+      }
+    }
+    for (const detail::ShardPiece& piece : shards_->pieces()) {
+      const auto& b = buckets[piece.bucket];
+      at::Tensor& g = piece.tensor.mutable_grad();
+      if (!b.taking_part[piece.slot]) {
+        g = at::Tensor();
+      } else if constexpr (Stage == 2) {
+        g = detail::alias(grad_blocks_[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket), piece.numel);
+      } else {
+        g = detail::alias(b.flat, piece.bucket_offset, piece.numel);
+      }
+    }
+    if constexpr (Stage == 2) reducer_->release_flats();
+  }
+
+  /// Clips this rank's pieces' gradients: by value elementwise, by norm with the norm over every rank's pieces (the
+  /// module's parameters, given, hold no gradients between a synchronised backward and the step).
+  void clip_gradients(const std::vector<at::Tensor>& /*module_params*/, double value, ClipAlgorithm algorithm) {
+    std::vector<at::Tensor> grads;
+    for (const detail::ShardPiece& piece : shards_->pieces()) {
+      if (piece.tensor.grad().defined()) grads.push_back(piece.tensor.grad());
+    }
+    if (algorithm == ClipAlgorithm::value) {
+      for (auto& g : grads) g.clamp_(-value, value);
+      return;
+    }
+    at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(this->device_));
+    for (const auto& g : grads) squares += g.detach().norm(2.0).to(torch::kFloat32).square().to(squares.device());
+    this->backend().all_reduce_(squares, Reduce::sum);
+    const at::Tensor coef = at::clamp(value / (squares.sqrt() + 1e-6), c10::nullopt, 1.0);
+    for (auto& g : grads) g.mul_(coef.to(g.device(), g.scalar_type()));
+  }
+
+  /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.
+  template <class P>
+  bool optimizer_step(P& precision, torch::optim::Optimizer& optimizer) {
+    if constexpr (requires { precision.scaler().agree_found_inf(optimizer, [](at::Tensor&) {}); }) {
+      precision.scaler().agree_found_inf(optimizer, [&](at::Tensor& found) { this->backend().all_reduce_(found, Reduce::max); });
+    }
+    const bool stepped = precision.optimizer_step(optimizer);
+    if (stepped) gather_parameters();
+    return stepped;
+  }
+
+  /// Collective: the optimizer's state in the layout of an unsharded run, as bytes on rank zero (empty elsewhere).
+  at::Tensor optimizer_state(torch::optim::Optimizer& optimizer);
+  /// Loads an optimizer archive in any run's layout (unsharded, or gathered by this strategy on any world size) and
+  /// keeps this rank's pieces of it. On any failure the optimizer keeps its previous state.
+  void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& bytes, const std::string& path);
+
+  /// After a run: the gradient hooks stay until the next fit's layout, with the pieces the optimizer holds (a save
+  /// after the fit gathers them); the bucket layout stays readable.
+  void teardown() {
+    if (reducer_) this->layout_ = reducer_->bucket_layout();
+  }
+  /// The buckets of the running or last fit (parameter indices in fill order).
+  std::vector<std::vector<std::size_t>> bucket_layout() const { return reducer_ ? reducer_->bucket_layout() : this->layout_; }
+
+  /// Bytes this rank holds between steps: gradients (the module's `.grad`, the reducer's buffers, stage 2's blocks)
+  /// and `optimizer`'s state.
+  std::size_t gradient_bytes() const {
+    std::size_t bytes = 0;
+    auto add = [&](const at::Tensor& t) { if (t.defined()) bytes += static_cast<std::size_t>(t.numel()) * t.element_size(); };
+    for (const auto& p : this->params_) add(p.grad());
+    if (reducer_) {
+      for (const auto& b : reducer_->buckets()) add(b.flat);
+    }
+    for (const auto& g : grad_blocks_) add(g);
+    return bytes;
+  }
+
+ private:
+  void require_layout() const {
+    if (!shards_) throw std::logic_error("volt: ZeRO's backward ran before setup_optimizer laid the parameters out.");
+  }
+  void drop_layout() {
+    reducer_.reset();
+    shards_.reset();
+    grad_blocks_.clear();
+    full_params_.clear();
+  }
+  /// `params` with each laid-out module parameter replaced by this rank's piece of it (none: left out); a tensor that
+  /// is not laid out (frozen at the fit's start, or not the module's) stays as it is, stepped whole on every rank.
+  std::vector<at::Tensor> pieces_for(const std::vector<at::Tensor>& params) const {
+    std::vector<at::Tensor> out;
+    for (const at::Tensor& p : params) {
+      const std::size_t i = param_index(p);
+      if (i == this->params_.size() || !shards_->location(i).laid_out) {
+        out.push_back(p);
+      } else if (const detail::ShardPiece* piece = shards_->piece_of(i)) {
+        out.push_back(piece->tensor);
+      }
+    }
+    return out;
+  }
+  std::size_t param_index(const at::Tensor& p) const {
+    for (std::size_t i = 0; i < this->params_.size(); ++i) {
+      if (this->params_[i].unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return i;
+    }
+    return this->params_.size();
+  }
+  void gather_parameters() {
+    std::vector<typename B::Work> works;
+    for (const at::Tensor& flat : shards_->flats()) works.push_back(this->backend().iall_gather_(flat));
+    for (auto& w : works) w.wait();
+  }
+  /// Sets every group's parameters of `optimizer` to `lists`, returning the lists it had.
+  static std::vector<std::vector<at::Tensor>> swap_params(torch::optim::Optimizer& optimizer,
+                                                          std::vector<std::vector<at::Tensor>> lists) {
+    std::vector<std::vector<at::Tensor>> old;
+    for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+      old.push_back(std::move(optimizer.param_groups()[g].params()));
+      optimizer.param_groups()[g].params() = std::move(lists[g]);
+    }
+    return old;
+  }
+  /// Takes the pieces' states out of `optimizer` (to be put back with `put_back`).
+  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> take_piece_states(torch::optim::Optimizer& optimizer) {
+    std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> out;
+    for (const detail::ShardPiece& piece : shards_->pieces()) out.push_back(detail::take_state(optimizer, piece.tensor));
+    return out;
+  }
+  void put_back(torch::optim::Optimizer& optimizer, std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> states) {
+    for (std::size_t i = 0; i < states.size(); ++i) {
+      if (states[i]) detail::put_state(optimizer, shards_->pieces()[i].tensor, std::move(states[i]));
+    }
+  }
+  /// Drops the states `optimizer` files under the laid-out module parameters themselves.
+  void drop_full_states(torch::optim::Optimizer& optimizer) {
+    for (std::size_t j = 0; j < this->params_.size(); ++j) {
+      if (shards_->location(j).laid_out) detail::take_state(optimizer, this->params_[j]);
+    }
+  }
+  template <class Codec>
+  std::vector<std::vector<at::Tensor>> gather_fields(torch::optim::Optimizer& optimizer, at::Tensor& steps);
+  template <class Codec>
+  at::Tensor gathered_state(torch::optim::Optimizer& optimizer, const std::vector<std::vector<at::Tensor>>& full);
+  template <class Codec>
+  void load_cut(torch::optim::Optimizer& optimizer, const std::vector<std::vector<at::Tensor>>& full,
+                const at::Tensor& bytes, const std::string& path);
+
+  std::unique_ptr<detail::Reducer<B>> reducer_;
+  std::unique_ptr<detail::ShardLayout> shards_;
+  std::vector<at::Tensor> grad_blocks_;  // stage 2: this rank's block of every bucket's averaged gradients
+  std::unordered_map<const torch::optim::Optimizer*, std::vector<std::vector<at::Tensor>>> full_params_;
+  bool synced_ = false;
+};
+
+template <int Stage, class L, class B>
+at::Tensor ZeRO<Stage, L, B>::optimizer_state(torch::optim::Optimizer& optimizer) {
+  const auto full = full_params_.find(&optimizer);
+  if (!shards_ || full == full_params_.end()) {
+    return this->is_global_zero() ? checkpoint::optimizer_state(optimizer) : at::Tensor();
+  }
+  return detail::with_state_codec(optimizer, [&](auto codec) {
+    return gathered_state<decltype(codec)>(optimizer, full->second);
+  });
+}
+
+/// Every rank's pieces of each state tensor, bucket by bucket, in flat buffers laid out as the parameters' (gathered
+/// on every rank; [field][bucket], undefined for a field no rank has); `steps` becomes each parameter's step count,
+/// -1 where no rank holds state for it.
+template <int Stage, class L, class B>
+template <class Codec>
+std::vector<std::vector<at::Tensor>> ZeRO<Stage, L, B>::gather_fields(torch::optim::Optimizer& optimizer,
+                                                                      at::Tensor& steps) {
+  using State = typename Codec::State;
+  const auto& pieces = shards_->pieces();
+  steps = torch::full({static_cast<int64_t>(this->params_.size())}, -1, torch::kLong);
+  at::Tensor defined = torch::zeros({static_cast<int64_t>(Codec::fields)}, torch::kLong);
+  for (const detail::ShardPiece& piece : pieces) {
+    if (const auto* s = detail::find_state(optimizer, piece.tensor)) {
+      steps[static_cast<int64_t>(piece.param)] = Codec::step(static_cast<const State&>(*s));
+      const auto t = Codec::tensors(static_cast<const State&>(*s));
+      for (std::size_t f = 0; f < t.size(); ++f) {
+        if (t[f].defined()) defined[static_cast<int64_t>(f)] = 1;
+      }
+    }
+  }
+  steps = this->all_reduce(steps, Reduce::max).cpu();
+  defined = this->all_reduce(defined, Reduce::max).cpu();
+  std::vector<std::vector<at::Tensor>> fields(Codec::fields);
+  torch::NoGradGuard no_grad;
+  for (std::size_t f = 0; f < Codec::fields; ++f) {
+    if (defined[static_cast<int64_t>(f)].item<int64_t>() == 0) continue;
+    for (const at::Tensor& flat : shards_->flats()) fields[f].push_back(torch::zeros_like(flat));
+    for (const detail::ShardPiece& piece : pieces) {
+      const auto* s = detail::find_state(optimizer, piece.tensor);
+      if (s == nullptr) continue;
+      const at::Tensor t = Codec::tensors(static_cast<const State&>(*s))[f];
+      if (t.defined()) fields[f][piece.bucket].narrow(0, piece.bucket_offset, piece.numel).copy_(t.reshape(-1));
+    }
+    for (const at::Tensor& buffer : fields[f]) this->backend().all_gather_(buffer);
+  }
+  return fields;
+}
+
+/// On rank zero, for the time of one save: the pieces' states aside, each laid-out parameter's whole state filed
+/// under it, the groups holding the module's parameters; LibTorch's archive of that; then everything put back.
+template <int Stage, class L, class B>
+template <class Codec>
+at::Tensor ZeRO<Stage, L, B>::gathered_state(torch::optim::Optimizer& optimizer,
+                                              const std::vector<std::vector<at::Tensor>>& full) {
+  at::Tensor steps;
+  const auto fields = gather_fields<Codec>(optimizer, steps);
+  if (!this->is_global_zero()) return at::Tensor();
+  auto kept = take_piece_states(optimizer);
+  auto pieces = swap_params(optimizer, full);
+  struct Restore {
+    ZeRO* z;
+    torch::optim::Optimizer& o;
+    std::vector<std::vector<at::Tensor>>& pieces;
+    std::vector<std::unique_ptr<torch::optim::OptimizerParamState>>& kept;
+    ~Restore() {
+      z->drop_full_states(o);
+      swap_params(o, std::move(pieces));
+      z->put_back(o, std::move(kept));
+    }
+  } restore{this, optimizer, pieces, kept};
+  for (std::size_t j = 0; j < this->params_.size(); ++j) {
+    const auto& where = shards_->location(j);
+    const int64_t step = steps[static_cast<int64_t>(j)].template item<int64_t>();
+    if (!where.laid_out || step < 0) continue;
+    const at::Tensor& p = this->params_[j];
+    std::vector<at::Tensor> t(Codec::fields);
+    for (std::size_t f = 0; f < Codec::fields; ++f) {
+      if (!fields[f].empty()) t[f] = fields[f][where.bucket].narrow(0, where.offset, p.numel()).view(p.sizes());
+    }
+    detail::put_state(optimizer, p, Codec::make(t, step));
+  }
+  return checkpoint::optimizer_state(optimizer);
+}
+
+template <int Stage, class L, class B>
+void ZeRO<Stage, L, B>::load_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& bytes,
+                                             const std::string& path) {
+  const auto full = full_params_.find(&optimizer);
+  if (!shards_ || full == full_params_.end()) return checkpoint::load_optimizer_state(optimizer, bytes, path);
+  detail::with_state_codec(optimizer, [&](auto codec) { load_cut<decltype(codec)>(optimizer, full->second, bytes, path); });
+}
+
+/// The archive loaded into the optimizer in the unsharded layout (its own checks refuse a state that does not fit,
+/// leaving the pieces' states as they were), then each piece's part of its parameter's state kept.
+template <int Stage, class L, class B>
+template <class Codec>
+void ZeRO<Stage, L, B>::load_cut(torch::optim::Optimizer& optimizer, const std::vector<std::vector<at::Tensor>>& full,
+                                 const at::Tensor& bytes, const std::string& path) {
+  using State = typename Codec::State;
+  auto kept = take_piece_states(optimizer);
+  auto pieces = swap_params(optimizer, full);
+  try {
+    checkpoint::load_optimizer_state(optimizer, bytes, path);
+  } catch (...) {
+    drop_full_states(optimizer);
+    swap_params(optimizer, std::move(pieces));
+    put_back(optimizer, std::move(kept));
+    throw;
+  }
+  torch::NoGradGuard no_grad;
+  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> cut;
+  for (const detail::ShardPiece& piece : shards_->pieces()) {
+    const auto* s = detail::find_state(optimizer, this->params_[piece.param]);
+    if (s == nullptr) {
+      cut.emplace_back();
+      continue;
+    }
+    auto t = Codec::tensors(static_cast<const State&>(*s));
+    for (auto& x : t) {
+      if (x.defined()) x = x.reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
+    }
+    cut.push_back(Codec::make(t, Codec::step(static_cast<const State&>(*s))));
+  }
+  drop_full_states(optimizer);
+  swap_params(optimizer, std::move(pieces));
+  put_back(optimizer, std::move(cut));
+}
+
+}  // namespace volt

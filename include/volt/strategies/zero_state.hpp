@@ -1,0 +1,125 @@
+#pragma once
+/// \file
+/// How the sharded strategy (volt/strategies/zero.hpp) cuts an optimizer's per-parameter state into the pieces each
+/// rank steps, and puts it back together for a checkpoint: the state of the optimizers it shards, each as its tensors
+/// (elementwise, shaped as the parameter; undefined where the optimizer has none, as Adam's `max_exp_avg_sq` without
+/// amsgrad) and its step count. LibTorch's `Adam`, `AdamW` and `SGD` (and volt::optim's, whose state is theirs).
+
+#include "volt/checkpoint.hpp"
+#include "volt/errors.hpp"
+#include "volt/optim/fused.hpp"
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace volt::detail {
+
+/// One kind of per-parameter state: its class, its tensors and its step count.
+template <class State>
+struct StateCodec;
+
+template <>
+struct StateCodec<torch::optim::AdamParamState> {
+  using State = torch::optim::AdamParamState;
+  static constexpr std::size_t fields = 3;
+  static std::vector<at::Tensor> tensors(const State& s) { return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}; }
+  static std::unique_ptr<State> make(const std::vector<at::Tensor>& t, int64_t step) {
+    auto s = std::make_unique<State>();
+    s->step(step);
+    s->exp_avg(t[0]);
+    s->exp_avg_sq(t[1]);
+    s->max_exp_avg_sq(t[2]);
+    return s;
+  }
+  static int64_t step(const State& s) { return s.step(); }
+};
+
+template <>
+struct StateCodec<torch::optim::AdamWParamState> {
+  using State = torch::optim::AdamWParamState;
+  static constexpr std::size_t fields = 3;
+  static std::vector<at::Tensor> tensors(const State& s) { return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}; }
+  static std::unique_ptr<State> make(const std::vector<at::Tensor>& t, int64_t step) {
+    auto s = std::make_unique<State>();
+    s->step(step);
+    s->exp_avg(t[0]);
+    s->exp_avg_sq(t[1]);
+    s->max_exp_avg_sq(t[2]);
+    return s;
+  }
+  static int64_t step(const State& s) { return s.step(); }
+};
+
+template <>
+struct StateCodec<torch::optim::SGDParamState> {
+  using State = torch::optim::SGDParamState;
+  static constexpr std::size_t fields = 1;
+  static std::vector<at::Tensor> tensors(const State& s) { return {s.momentum_buffer()}; }
+  static std::unique_ptr<State> make(const std::vector<at::Tensor>& t, int64_t /*step*/) {
+    auto s = std::make_unique<State>();
+    s->momentum_buffer(t[0]);
+    return s;
+  }
+  static int64_t step(const State&) { return 0; }
+};
+
+/// Calls `f(StateCodec<...>{})` for the state kind of `optimizer`; throws, naming the optimizer and what is allowed,
+/// for any other.
+template <class F>
+decltype(auto) with_state_codec(const torch::optim::Optimizer& optimizer, F&& f) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
+    return f(StateCodec<torch::optim::AdamWParamState>{});
+  }
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return f(StateCodec<torch::optim::AdamParamState>{});
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr) return f(StateCodec<torch::optim::SGDParamState>{});
+  throw ConfigError("volt: ZeRO shards the state of Adam, AdamW and SGD (torch::optim's or volt::optim's), whose state "
+                    "is elementwise; configure_optimizers returned a " + checkpoint::optimizer_kind(optimizer) +
+                    ": return one of those, or train with DDP.");
+}
+
+/// The state `optimizer` keeps for `p`, or null.
+inline torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& optimizer, const at::Tensor& p) {
+  auto& map = optimizer.state();
+  const auto it = map.find(optim::detail::state_key(map, p.unsafeGetTensorImpl()));
+  return it == map.end() ? nullptr : it->second.get();
+}
+
+/// Takes the state `optimizer` keeps for `p` out of it (null when none).
+inline std::unique_ptr<torch::optim::OptimizerParamState> take_state(torch::optim::Optimizer& optimizer,
+                                                                     const at::Tensor& p) {
+  auto& map = optimizer.state();
+  const auto it = map.find(optim::detail::state_key(map, p.unsafeGetTensorImpl()));
+  if (it == map.end()) return nullptr;
+  std::unique_ptr<torch::optim::OptimizerParamState> out = std::move(it->second);
+  map.erase(it);
+  return out;
+}
+
+/// Files `state` as `p`'s in `optimizer`.
+inline void put_state(torch::optim::Optimizer& optimizer, const at::Tensor& p,
+                      std::unique_ptr<torch::optim::OptimizerParamState> state) {
+  auto& map = optimizer.state();
+  map[optim::detail::state_key(map, p.unsafeGetTensorImpl())] = std::move(state);
+}
+
+/// The bytes of every tensor of `optimizer`'s per-parameter states (what a rank holds of it).
+inline std::size_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
+  std::size_t bytes = 0;
+  with_state_codec(optimizer, [&](auto codec) {
+    using State = typename decltype(codec)::State;
+    for (const auto& [key, state] : optimizer.state()) {
+      for (const at::Tensor& t : decltype(codec)::tensors(static_cast<const State&>(*state))) {
+        if (t.defined()) bytes += static_cast<std::size_t>(t.numel()) * t.element_size();
+      }
+    }
+  });
+  return bytes;
+}
+
+}  // namespace volt::detail

@@ -7,7 +7,7 @@
 //                                                     on the same global batches
 //   distributed indices <script|spawn> N              every sample seen once per epoch across ranks
 //   distributed metrics                               sync_dist values, stop decisions, all_gather/broadcast
-//   distributed zero <script|spawn> STAGE WORLD adam|sgd   ZeRO weights == a one-process loop (accumulation 3,
+//   distributed zero <script|spawn> STAGE WORLD adam|sgd|fused-adam   ZeRO weights == a one-process loop (accumulation 3,
 //                                                     clipping); the optimizer state split across the ranks
 //   distributed collectives                           Mpi's reduce-scatter and all-gather (mpirun, any world size)
 //   distributed predict <script|spawn> WORLD          predict (gathered, and written by PredictionWriter) and validate
@@ -186,10 +186,13 @@ int fit_scenario_with(int accumulate, bool fused, double ema_decay, Callbacks...
 
 // ---- ZeRO: sharded optimizer state and gradients -------------------------------------------------------------------
 
-/// The net of the DDP tests with Adam or SGD (momentum) as configure_optimizers returns it.
+/// The net of the DDP tests with Adam or SGD (momentum) as configure_optimizers returns it (`fused`: volt::optim's
+/// Adam, which steps the pieces with LibTorch's fused kernel from 2.4 on).
 struct ZeroNetImpl : NetImpl {
   bool adam = true;
+  bool fused = false;
   std::unique_ptr<torch::optim::Optimizer> configure_optimizers() {
+    if (adam && fused) return std::make_unique<volt::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01));
     if (adam) return std::make_unique<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01));
     return std::make_unique<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   }
@@ -229,13 +232,14 @@ torch::Tensor zero_reference(int world, int64_t n, int epochs, int accumulate, d
 /// ZeRO stage `Stage` on `world` ranks (accumulation 3, clipping, Adam or SGD) against the one-process reference; on
 /// each rank the optimizer's state is its share: over all ranks, the state of every parameter element once.
 template <int Stage, class L>
-int zero_scenario(int world, bool adam) {
+int zero_scenario(int world, bool adam, bool fused) {
   const int64_t n = 96;
   const int epochs = 2, accumulate = 3;
   const double clip = 0.05;
   auto [x, y] = data(n);
   ZeroNetImpl net;
   net.adam = adam;
+  net.fused = fused;
   auto trainer = volt::make_trainer<volt::ZeRO<Stage, L, volt::Mpi>>(
       {.devices = world, .max_epochs = epochs, .accumulate_grad_batches = accumulate, .gradient_clip_val = clip});
   trainer.strategy().set_bucket_bytes(256, 512);  // three buckets for this net, parameters across blocks
@@ -245,7 +249,7 @@ int zero_scenario(int world, bool adam) {
   if (answer_here) {
     const torch::Tensor want = zero_reference(world, n, epochs, accumulate, clip, adam);
     const double diff = (flat(net) - want).abs().max().item<double>();
-    std::cout << "ZeRO<" << Stage << "> on " << world << " ranks, " << (adam ? "Adam" : "SGD")
+    std::cout << "ZeRO<" << Stage << "> on " << world << " ranks, " << (adam ? (fused ? "volt::optim::Adam" : "Adam") : "SGD")
               << ": max |weights - reference| = " << diff << std::endl;
     check(torch::allclose(flat(net), want, 1e-5, 1e-6), "ZeRO weights equal the one-process reference (max diff " +
                                                             std::to_string(diff) + ")");
@@ -793,12 +797,16 @@ const Mode kModes[] = {
      }},
     {"collectives", ": Mpi's flat reduce-scatter and all-gather on every dtype against known answers",
      [](const std::vector<std::string>&) { return collectives_scenario(); }},
-    {"zero", "<script|spawn> stage world adam|sgd: ZeRO against a one-process loop (accumulation 3, clipping)",
+    {"zero", "<script|spawn> stage world adam|sgd|fused-adam: ZeRO against a one-process loop (accumulation 3, clipping)",
      [](const std::vector<std::string>& a) {
        const int stage = std::stoi(a.at(2)), world = std::stoi(a.at(3));
-       const bool adam = a.at(4) == "adam";
-       if (stage == 1) return spawn_given(a) ? zero_scenario<1, volt::Spawn>(world, adam) : zero_scenario<1, volt::Script>(world, adam);
-       return spawn_given(a) ? zero_scenario<2, volt::Spawn>(world, adam) : zero_scenario<2, volt::Script>(world, adam);
+       const bool adam = a.at(4) != "sgd", fused = a.at(4) == "fused-adam";
+       if (stage == 1) {
+         return spawn_given(a) ? zero_scenario<1, volt::Spawn>(world, adam, fused)
+                               : zero_scenario<1, volt::Script>(world, adam, fused);
+       }
+       return spawn_given(a) ? zero_scenario<2, volt::Spawn>(world, adam, fused)
+                             : zero_scenario<2, volt::Script>(world, adam, fused);
      }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
     {"max-time", ": max_time on 2 ranks stepping at different speeds: both stop after the same batch",

@@ -255,6 +255,9 @@ int zero_scenario(int world, bool adam, bool fused) {
                                                             std::to_string(diff) + ")");
   }
   if constexpr (std::is_same_v<L, volt::Script>) {
+    // Every rank holds the same weights (the all-gather after the last step reached them all).
+    const torch::Tensor every = trainer.strategy().all_gather(flat(net));
+    check(torch::equal(std::get<0>(every.min(0)), std::get<0>(every.max(0))), "every rank ends with the same weights");
     // Every element's state once over the ranks: Adam two tensors per parameter, SGD one (momentum), as floats.
     int64_t elements = 0;
     for (const auto& p : net.parameters()) elements += p.numel();

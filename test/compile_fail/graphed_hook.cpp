@@ -1,12 +1,5 @@
 // expect: move the module's on_before_backward, on_after_backward or on_before_optimizer_step.*once, at capture
-#include <volt/volt.hpp>
-struct RerunGraph {  // a graph type of one's own, so that the rule is reached on every LibTorch line
-  static constexpr bool available = true;
-  template <class F> void run_eager(const c10::Device&, F&& f) { f(); }
-  template <class F> void capture(const c10::Device&, F&&, const RerunGraph*) {}
-  void replay() {}
-};
-struct GraphCPU : volt::CPU { using graph_type = RerunGraph; };
+#include "../support/rerun_graph.hpp"  // RerunGraph, GraphCPU: graph mode on every LibTorch line
 struct Net : torch::nn::Module {
   torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) { return b.data.sum(); }
   volt::optim::SGD configure_optimizers() { return volt::optim::SGD(parameters(), 0.1); }

@@ -1,12 +1,5 @@
 // expect: use SingleDevice with Graphed<GPU>, or DDP or ZeRO with the GPU without Graphed
-#include <volt/volt.hpp>
-struct RerunGraph {  // a graph type of one's own, so that the rule is reached on every LibTorch line
-  static constexpr bool available = true;
-  template <class F> void run_eager(const c10::Device&, F&& f) { f(); }
-  template <class F> void capture(const c10::Device&, F&&, const RerunGraph*) {}
-  void replay() {}
-};
-struct GraphCPU : volt::CPU { using graph_type = RerunGraph; };
+#include "../support/rerun_graph.hpp"  // RerunGraph, GraphCPU: graph mode on every LibTorch line
 struct Net : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
   Net() { fc = register_module("fc", torch::nn::Linear(2, 1)); }

@@ -38,14 +38,17 @@ namespace detail {
 class MpiGroup;
 
 /// The size of each of `world` equal blocks of the flat tensor `flat` that reduce-scatter and all-gather work on;
-/// throws, naming `what`, unless `flat` is 1-D, contiguous and divides evenly.
-inline int64_t block_numel(const torch::Tensor& flat, int world, const char* what) {
+/// throws, naming `what`, unless `flat` is 1-D, contiguous and divides evenly into blocks of at most `max_block`
+/// elements (MPI counts in `int`).
+inline int64_t block_numel(const torch::Tensor& flat, int world, const char* what,
+                           int64_t max_block = std::numeric_limits<int64_t>::max()) {
   if (flat.dim() != 1 || !flat.is_contiguous() || world < 1 || flat.numel() % world != 0 ||
-      flat.numel() / world > std::numeric_limits<int>::max() / 8) {
+      flat.numel() / world > max_block) {
     throw std::invalid_argument(std::string("volt: a flat ") + what + " takes a contiguous 1-D tensor of " +
-                                std::to_string(world) + " equal blocks (each under 2^28 elements), got shape " +
-                                c10::str(flat.sizes()) + (flat.is_contiguous() ? "" : ", not contiguous") +
-                                "; pad it to a multiple of the world size.");
+                                std::to_string(world) + " equal blocks of at most " + std::to_string(max_block) +
+                                " elements, got shape " + c10::str(flat.sizes()) +
+                                (flat.is_contiguous() ? "" : ", not contiguous") +
+                                "; pad it to a multiple of the world size, or make the buckets smaller.");
   }
   return flat.numel() / world;
 }

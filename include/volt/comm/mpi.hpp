@@ -10,6 +10,7 @@
 
 #include <torch/types.h>
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -82,7 +83,7 @@ class Mpi {
       if (op_ == Reduce::mean) buffer_.div_(group_->size());
       if (buffer_.unsafeGetTensorImpl() != target_.unsafeGetTensorImpl()) target_.copy_(buffer_.view_as(target_));
       group_ = nullptr;
-      input_ = torch::Tensor();
+      target_ = buffer_ = input_ = torch::Tensor();  // nothing of the buckets kept alive after the wait
     }
 
    private:
@@ -145,7 +146,7 @@ class Mpi {
   /// left unspecified. One all-reduce's worth of bytes in two halves, with iall_gather_.
   Work ireduce_scatter_(const torch::Tensor& flat, Reduce op) {
     check_mean(flat, op);
-    const int64_t n = detail::block_numel(flat, size(), "reduce-scatter");
+    const int64_t n = detail::block_numel(flat, size(), "reduce-scatter", kMaxBlock);
     if (group_ == nullptr) return Work();
     torch::Tensor input = detail::mpi_buffer(flat);
     torch::Tensor block = torch::empty({n}, input.options());
@@ -162,7 +163,7 @@ class Mpi {
   /// block; once `wait()` returns, every block holds its rank's. The bytes are copied as they are (float16 and
   /// bfloat16 too).
   Work iall_gather_(const torch::Tensor& flat) {
-    const int64_t n = detail::block_numel(flat, size(), "all-gather");
+    const int64_t n = detail::block_numel(flat, size(), "all-gather", kMaxBlock);
     if (group_ == nullptr) return Work();
     torch::Tensor buffer = flat.is_cpu() && flat.is_contiguous() ? flat : flat.to(torch::kCPU).contiguous();
     Work work(group_, flat, buffer, Reduce::sum);
@@ -182,6 +183,8 @@ class Mpi {
   }
 
  private:
+  /// The largest block MPI's int counts reach (all-gather counts bytes: 8 per element at most).
+  static constexpr int64_t kMaxBlock = std::numeric_limits<int>::max() / 8;
   static void check_mean(const torch::Tensor& t, Reduce op) {
     if (op == Reduce::mean && !t.is_floating_point()) {
       throw std::invalid_argument(std::string("volt: a mean all-reduce needs a floating-point tensor, got ") +

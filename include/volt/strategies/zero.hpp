@@ -16,7 +16,8 @@
 ///    gradient arrives, in bucket order on every rank; the pieces' gradients are this rank's reduced block, and the
 ///    module's `.grad` are dropped. Stage 1 keeps every bucket's full gradient buffer between steps, stage 2 only its
 ///    block (the buffer is made again for each synchronised backward). Micro-batches that only accumulate do so in
-///    `.grad`, locally, as under DDP;
+///    `.grad`, locally, as under DDP. So `on_before_optimizer_step` finds no `.grad` on the module's parameters (the
+///    averages are in the pieces: `optimizer.param_groups()`), and zero_grad drops every module parameter's `.grad`;
 ///  - the step: gradient clipping reduces the squared norm across ranks (Fp16Mixed's inf check likewise, so every rank
 ///    skips the same steps); each rank steps its pieces, then every bucket is all-gathered in place;
 ///  - checkpoints: the pieces' states are gathered and written in the layout of an unsharded run (`torch.load` reads
@@ -99,6 +100,21 @@ class ShardLayout {
     return it == piece_index_.end() ? nullptr : &pieces_[it->second];
   }
   int64_t block_start(std::size_t bucket) const { return rank_ * (flats_[bucket].numel() / world_); }
+  /// Throws unless every laid-out parameter still lives in its bucket (a `module.to()` or `set_data` during the fit
+  /// would have moved it out, and the optimizer's pieces would step a copy no forward reads).
+  void check_aliasing(const std::vector<at::Tensor>& params) const {
+    for (std::size_t j = 0; j < params.size(); ++j) {
+      const Location& where = locations_[j];
+      if (!where.laid_out) continue;
+      const at::Tensor& flat = flats_[where.bucket];
+      const auto* want = static_cast<const char*>(flat.data_ptr()) + where.offset * flat.element_size();
+      if (params[j].data_ptr() != want) {
+        throw ConfigError("volt: parameter " + std::to_string(j) + " was moved, cast or replaced during a ZeRO fit "
+                          "(module.to(), set_data): ZeRO lays the parameters out at the fit's start and steps them "
+                          "there; place and cast the module before fit.");
+      }
+    }
+  }
   /// Where parameter `param` lies: its bucket and offset, if it was laid out (it required gradients at the fit's start).
   struct Location {
     std::size_t bucket = 0;
@@ -179,6 +195,7 @@ class ZeRO : public DDP<L, B> {
 
   void pre_backward(bool sync) {
     require_layout();
+    if (sync) shards_->check_aliasing(this->params_);
     synced_ = sync;
     reducer_->prepare(sync);
   }
@@ -301,6 +318,11 @@ class ZeRO : public DDP<L, B> {
   /// Sets every group's parameters of `optimizer` to `lists`, returning the lists it had.
   static std::vector<std::vector<at::Tensor>> swap_params(torch::optim::Optimizer& optimizer,
                                                           std::vector<std::vector<at::Tensor>> lists) {
+    if (lists.size() != optimizer.param_groups().size()) {
+      throw std::logic_error("volt: ZeRO's optimizer has " + std::to_string(optimizer.param_groups().size()) +
+                             " parameter groups, " + std::to_string(lists.size()) + " when the fit started; add "
+                             "groups in configure_optimizers, before the fit.");
+    }
     std::vector<std::vector<at::Tensor>> old;
     for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
       old.push_back(std::move(optimizer.param_groups()[g].params()));
@@ -332,6 +354,9 @@ class ZeRO : public DDP<L, B> {
   template <class Codec>
   void load_cut(torch::optim::Optimizer& optimizer, const std::vector<std::vector<at::Tensor>>& full,
                 const at::Tensor& bytes, const std::string& path);
+  template <class Codec>
+  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> cut_states(torch::optim::Optimizer& optimizer,
+                                                                             const std::string& path);
 
   std::unique_ptr<detail::Reducer<B>> reducer_;
   std::unique_ptr<detail::ShardLayout> shards_;
@@ -433,40 +458,59 @@ void ZeRO<Stage, L, B>::load_optimizer_state(torch::optim::Optimizer& optimizer,
   detail::with_state_codec(optimizer, [&](auto codec) { load_cut<decltype(codec)>(optimizer, full->second, bytes, path); });
 }
 
-/// The archive loaded into the optimizer in the unsharded layout (its own checks refuse a state that does not fit,
-/// leaving the pieces' states as they were), then each piece's part of its parameter's state kept.
+/// The archive loaded into the optimizer in the unsharded layout (its own checks refuse a state that does not fit),
+/// then each piece's part of its parameter's state kept. On any failure the optimizer is as it was (its own archive,
+/// taken first, loaded back).
 template <int Stage, class L, class B>
 template <class Codec>
 void ZeRO<Stage, L, B>::load_cut(torch::optim::Optimizer& optimizer, const std::vector<std::vector<at::Tensor>>& full,
                                  const at::Tensor& bytes, const std::string& path) {
-  using State = typename Codec::State;
+  const at::Tensor backup = checkpoint::optimizer_state(optimizer);  // the pieces' layout
   auto kept = take_piece_states(optimizer);
   auto pieces = swap_params(optimizer, full);
   try {
     checkpoint::load_optimizer_state(optimizer, bytes, path);
-  } catch (...) {
+    auto cut = cut_states<Codec>(optimizer, path);
     drop_full_states(optimizer);
     swap_params(optimizer, std::move(pieces));
-    put_back(optimizer, std::move(kept));
+    put_back(optimizer, std::move(cut));
+  } catch (...) {
+    drop_full_states(optimizer);
+    if (!pieces.empty()) swap_params(optimizer, std::move(pieces));
+    checkpoint::load_optimizer_state(optimizer, backup, path);
     throw;
   }
+}
+
+/// Each piece's part of the whole state the optimizer holds for its parameter (none where it holds none); a state
+/// tensor of another size than its parameter is refused.
+template <int Stage, class L, class B>
+template <class Codec>
+std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> ZeRO<Stage, L, B>::cut_states(
+    torch::optim::Optimizer& optimizer, const std::string& path) {
+  using State = typename Codec::State;
   torch::NoGradGuard no_grad;
   std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> cut;
   for (const detail::ShardPiece& piece : shards_->pieces()) {
-    const auto* s = detail::find_state(optimizer, this->params_[piece.param]);
+    const at::Tensor& p = this->params_[piece.param];
+    const auto* s = detail::find_state(optimizer, p);
     if (s == nullptr) {
       cut.emplace_back();
       continue;
     }
     auto t = Codec::tensors(static_cast<const State&>(*s));
     for (auto& x : t) {
-      if (x.defined()) x = x.reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
+      if (!x.defined()) continue;
+      if (x.numel() != p.numel()) {
+        throw CheckpointError("volt: the optimizer state in " + path + " holds a tensor of " +
+                              std::to_string(x.numel()) + " elements for parameter " + std::to_string(piece.param) +
+                              ", which has " + std::to_string(p.numel()) + "; nothing was loaded.");
+      }
+      x = x.reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
     }
     cut.push_back(Codec::make(t, Codec::step(static_cast<const State&>(*s))));
   }
-  drop_full_states(optimizer);
-  swap_params(optimizer, std::move(pieces));
-  put_back(optimizer, std::move(cut));
+  return cut;
 }
 
 }  // namespace volt

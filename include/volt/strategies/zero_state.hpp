@@ -24,9 +24,10 @@ namespace volt::detail {
 template <class State>
 struct StateCodec;
 
-template <>
-struct StateCodec<torch::optim::AdamParamState> {
-  using State = torch::optim::AdamParamState;
+/// Adam's and AdamW's state (two classes with the same fields).
+template <class S>
+struct AdamStateCodec {
+  using State = S;
   static constexpr std::size_t fields = 3;
   static std::vector<at::Tensor> tensors(const State& s) { return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}; }
   static std::unique_ptr<State> make(const std::vector<at::Tensor>& t, int64_t step) {
@@ -39,22 +40,10 @@ struct StateCodec<torch::optim::AdamParamState> {
   }
   static int64_t step(const State& s) { return s.step(); }
 };
-
 template <>
-struct StateCodec<torch::optim::AdamWParamState> {
-  using State = torch::optim::AdamWParamState;
-  static constexpr std::size_t fields = 3;
-  static std::vector<at::Tensor> tensors(const State& s) { return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}; }
-  static std::unique_ptr<State> make(const std::vector<at::Tensor>& t, int64_t step) {
-    auto s = std::make_unique<State>();
-    s->step(step);
-    s->exp_avg(t[0]);
-    s->exp_avg_sq(t[1]);
-    s->max_exp_avg_sq(t[2]);
-    return s;
-  }
-  static int64_t step(const State& s) { return s.step(); }
-};
+struct StateCodec<torch::optim::AdamParamState> : AdamStateCodec<torch::optim::AdamParamState> {};
+template <>
+struct StateCodec<torch::optim::AdamWParamState> : AdamStateCodec<torch::optim::AdamWParamState> {};
 
 template <>
 struct StateCodec<torch::optim::SGDParamState> {

@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include "common.hpp"
+
 #include "../examples/quickstart_net.hpp"
 
 #include <algorithm>
@@ -19,10 +21,7 @@
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using volt_bench::median;
 
 template <class F>
 double time_ms(F&& f) {

@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include "common.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -18,6 +20,8 @@
 #include <vector>
 
 namespace {
+
+using volt_bench::median;
 
 struct MlpImpl : torch::nn::Module {
   torch::nn::Sequential net{nullptr};
@@ -60,11 +64,6 @@ double seconds_per_step(int devices, int64_t steps, int64_t warmup, bool* is_zer
   trainer.fit(model, volt::data::TensorLoader(x, y, {.batch_size = 64}));
   if (is_zero) *is_zero = trainer.is_global_zero();
   return trainer.template callback<StepTimer>().seconds() / static_cast<double>(steps);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

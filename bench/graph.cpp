@@ -19,6 +19,8 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include "common.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <iostream>
@@ -34,16 +36,13 @@
 
 namespace {
 
+using volt_bench::median;
+
 using Clock = std::chrono::steady_clock;
 using Batch = torch::data::Example<>;
 
 /// The levers (command line), the same for every way.
 bool cudnn_benchmark = false, channels_last = false;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 /// The two workloads as one module type: `cnn` picks the layers.
 struct NetImpl : torch::nn::Module {

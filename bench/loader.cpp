@@ -14,6 +14,8 @@
 #include <volt/data/image_folder.hpp>
 #include <volt/volt.hpp>
 
+#include "common.hpp"
+
 #include "../examples/png.hpp"
 
 #include <algorithm>
@@ -29,13 +31,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using volt_bench::median;
+
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 void write_files(const fs::path& dir, int64_t files) {
   if (fs::exists(dir / "done")) return;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -107,17 +106,8 @@ struct SlowReads {
   }
 };
 
-struct MlpImpl : torch::nn::Module {
-  torch::nn::Sequential net{nullptr};
-  explicit MlpImpl(int64_t width) {
-    torch::manual_seed(0);
-    net = register_module("net", torch::nn::Sequential(torch::nn::Linear(784, width), torch::nn::ReLU(),
-                                                       torch::nn::Linear(width, width), torch::nn::ReLU(),
-                                                       torch::nn::Linear(width, 10)));
-  }
-  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
-    return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);
-  }
+struct MlpImpl : volt_bench::WideMlp {
+  using WideMlp::WideMlp;
   torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.01)); }
 };
 TORCH_MODULE(Mlp);

@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 #include <volt/optim.hpp>
 
+#include "common.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -16,6 +18,8 @@
 #include <vector>
 
 namespace {
+
+using volt_bench::median;
 
 struct MlpImpl : torch::nn::Module {
   torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
@@ -35,11 +39,6 @@ struct Algorithm {
   std::string name;
   Make torch_optim, volt_optim;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 void sync(const torch::Device& d) {
   if (d.is_cuda()) torch::cuda::synchronize();

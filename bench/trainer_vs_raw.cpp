@@ -9,6 +9,8 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include "common.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -17,6 +19,8 @@
 #include <vector>
 
 namespace {
+
+using volt_bench::median;
 
 using Batch = torch::data::Example<>;
 
@@ -109,12 +113,6 @@ void raw_steps(Net& net, std::vector<Batch>& batches, c10::DeviceType device) {
       opt.step();
     }
   }
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const auto n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 struct Config {

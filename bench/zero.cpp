@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include "common.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -21,17 +23,10 @@
 
 namespace {
 
-struct MlpImpl : torch::nn::Module {
-  torch::nn::Sequential net{nullptr};
-  explicit MlpImpl(int64_t width) {
-    torch::manual_seed(0);
-    net = register_module("net", torch::nn::Sequential(torch::nn::Linear(784, width), torch::nn::ReLU(),
-                                                       torch::nn::Linear(width, width), torch::nn::ReLU(),
-                                                       torch::nn::Linear(width, 10)));
-  }
-  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
-    return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);
-  }
+using volt_bench::median;
+
+struct MlpImpl : volt_bench::WideMlp {
+  using WideMlp::WideMlp;
   torch::optim::Adam configure_optimizers() { return torch::optim::Adam(parameters(), torch::optim::AdamOptions(1e-4)); }
 };
 TORCH_MODULE(Mlp);
@@ -87,11 +82,6 @@ Figures run(int devices, int64_t width, int64_t steps, int64_t warmup) {
   const double seconds = std::chrono::duration<double>(p.end - p.start).count() / static_cast<double>(steps);
   rank_zero = trainer.is_global_zero();
   return {largest(seconds), largest(p.state_bytes), largest(p.grad_bytes), largest(peak_rss(false))};
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

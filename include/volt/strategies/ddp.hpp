@@ -108,19 +108,8 @@ class DDP : public detail::ProcessGroupStrategy<L, B> {
     reducer_.reset();
   }
 
-  /// Bytes of gradients this rank holds between steps: the module's `.grad` and the reducer's buckets.
-  std::size_t gradient_bytes() const {
-    std::size_t bytes = 0;
-    for (const auto& p : params_) {
-      if (p.grad().defined()) bytes += static_cast<std::size_t>(p.grad().numel()) * p.grad().element_size();
-    }
-    if (reducer_) {
-      for (const auto& b : reducer_->buckets()) {
-        if (b.flat.defined()) bytes += static_cast<std::size_t>(b.flat.numel()) * b.flat.element_size();
-      }
-    }
-    return bytes;
-  }
+  /// Bytes of gradients this rank holds between steps, during a fit: the module's `.grad` and the reducer's buckets.
+  std::size_t gradient_bytes() const { return reducer_ ? reducer_->gradient_bytes() : 0; }
 
   /// The gradient buckets of the running or last fit (parameter indices in fill order); empty before the
   /// first backward.

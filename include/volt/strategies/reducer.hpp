@@ -38,6 +38,11 @@ namespace volt::detail {
 inline constexpr std::size_t kFirstBucketBytes = std::size_t{1} << 20;
 inline constexpr std::size_t kBucketBytes = std::size_t{25} << 20;
 
+/// The bytes `t` holds (none when undefined).
+inline std::size_t bytes_of(const torch::Tensor& t) {
+  return t.defined() ? static_cast<std::size_t>(t.numel()) * t.element_size() : 0;
+}
+
 /// What a bucket's collective leaves: every rank the whole average (DDP), or each rank its block of it (ZeRO).
 enum class GradSync { all_reduce, reduce_scatter };
 
@@ -76,6 +81,13 @@ class Reducer {
 
   std::size_t num_buckets() const { return buckets_.size(); }
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  /// Bytes of gradients held: the parameters' `.grad` and the buckets' buffers.
+  std::size_t gradient_bytes() const {
+    std::size_t bytes = 0;
+    for (const auto& p : params_) bytes += bytes_of(p.grad());
+    for (const auto& b : buckets_) bytes += bytes_of(b.flat);
+    return bytes;
+  }
   /// Frees every bucket's flat buffer until the next synchronised backward (ZeRO stage 2 keeps only its blocks).
   void release_flats() {
     for (auto& b : buckets_) b.flat = torch::Tensor();

@@ -1,5 +1,5 @@
 #pragma once
-// What the benchmarks share: the median of rounds, and the MLP 784-W-W-10 of the loader and ZeRO benchmarks (each
+// What the benchmarks share: the median of rounds, and the MLP (784-W-W-10 by default) of the loader and ZeRO benchmarks (each
 // derives it with its optimizer).
 #include <torch/torch.h>
 #include <volt/volt.hpp>
@@ -17,14 +17,19 @@ inline double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/// 784 -> width -> width -> 10 with ReLU, seeded; cross entropy. The derived module adds configure_optimizers.
+/// An MLP with ReLU, seeded; cross entropy. The derived module adds configure_optimizers.
 struct WideMlp : torch::nn::Module {
   torch::nn::Sequential net{nullptr};
-  explicit WideMlp(int64_t width) {
+  /// 784 -> width (-> width, hidden - 1 times) -> 10, ReLU between.
+  explicit WideMlp(int64_t width, int hidden = 2) {
     torch::manual_seed(0);
-    net = register_module("net", torch::nn::Sequential(torch::nn::Linear(784, width), torch::nn::ReLU(),
-                                                       torch::nn::Linear(width, width), torch::nn::ReLU(),
-                                                       torch::nn::Linear(width, 10)));
+    torch::nn::Sequential layers(torch::nn::Linear(784, width), torch::nn::ReLU());
+    for (int i = 1; i < hidden; ++i) {
+      layers->push_back(torch::nn::Linear(width, width));
+      layers->push_back(torch::nn::ReLU());
+    }
+    layers->push_back(torch::nn::Linear(width, 10));
+    net = register_module("net", layers);
   }
   torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
     return torch::nn::functional::cross_entropy(net->forward(b.data), b.target);

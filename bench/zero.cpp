@@ -1,11 +1,14 @@
 // ZeRO against DDP on the CPU (JSON lines), under `mpirun -np W` (W = 2 or 4) or plainly with --devices W (Script
 // starts the other ranks):
-//   zero [--devices W] [--rounds 3] [--steps 40] [--warmup 5] [--width 1536]
-// In one job, rounds interleaved: DDP, ZeRO<1> and ZeRO<2> fits of an MLP 784-W-W-10 (about 3.6 million parameters at
-// the default width) with Adam, batch 32 per rank, one intra-op thread per rank. Rank 0 prints, per strategy, the
+//   zero [--devices W] [--rounds 3] [--steps 40] [--warmup 5] [--width 1536] [--hidden 2] [--bucket-mb 25]
+// In one job, rounds interleaved: DDP, ZeRO<1> and ZeRO<2> fits of an MLP 784-width-...-10 with `hidden` layers of
+// `width` (about 3.6 million parameters by default: one gradient bucket) with Adam, batch 32 per rank, one intra-op
+// thread per rank, gradient buckets of `bucket-mb` MiB (the first at most 1 MiB) for all three. Rank 0 prints, per strategy, the
 // optimizer-state and gradient bytes a rank holds between steps (the largest over the ranks), the process's peak
-// resident memory during the fit (the largest over the ranks; the peak is reset before each fit) and the median step
-// time; then the ratios to DDP (state and gradient bytes, peak memory, steps per second).
+// resident memory during the fit and its growth over the resident size at the fit's start (the largest over the
+// ranks; before each fit the freed memory is handed back with malloc_trim and the peak reset), and the median step
+// time; then the ratios to DDP (state and gradient bytes, peak memory and its growth, steps per second). The growth is
+// what the strategy changes: the peak adds LibTorch's, MPI's and the data's resident memory, the same for all three.
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
@@ -17,6 +20,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <malloc.h>
 #include <map>
 #include <string>
 #include <vector>
@@ -48,75 +52,97 @@ struct Probe {
   }
 };
 
-/// Peak resident memory (VmHWM) in bytes; `reset` restarts it from the current resident size (Linux >= 4.0).
-double peak_rss(bool reset) {
-  if (reset) std::ofstream("/proc/self/clear_refs") << "5";
+/// A line of /proc/self/status ("VmHWM", "VmRSS") in bytes.
+double status_bytes(const std::string& key) {
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;
+    if (line.rfind(key + ":", 0) == 0) return std::stod(line.substr(key.size() + 1)) * 1024.0;
   }
   return 0.0;
 }
+/// Hands the memory earlier fits freed back to the system and restarts the peak from the resident size (Linux >= 4.0),
+/// so that a fit's growth is its own whatever ran before it in this process; returns the resident size.
+double reset_peak() {
+  malloc_trim(0);
+  std::ofstream("/proc/self/clear_refs") << "5";
+  return status_bytes("VmRSS");
+}
 
 struct Figures {
-  double seconds_per_step, state_bytes, grad_bytes, peak_bytes;
+  double seconds_per_step, state_bytes, grad_bytes, peak_bytes, growth_bytes;
 };
 bool rank_zero = false;
 
+struct Config {
+  int devices = 0, rounds = 3, hidden = 2;
+  int64_t steps = 40, warmup = 5, width = 1536, bucket_mb = 25;
+};
+int64_t parameters = 0;
+
 template <class S>
-Figures run(int devices, int64_t width, int64_t steps, int64_t warmup) {
+Figures run(const Config& c) {
   const int64_t batch = 32;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-  const int64_t n = batch * devices * (steps + warmup);
+  const int64_t n = batch * c.devices * (c.steps + c.warmup);
   auto x = torch::randn({n, 784}, gen);
   auto y = torch::randint(0, 10, {n}, gen, torch::kLong);
-  Mlp model(width);
-  auto trainer = volt::make_trainer<S>({.devices = devices, .max_epochs = 1},
-                                       Probe{warmup});
-  peak_rss(/*reset=*/true);
+  Mlp model(c.width, c.hidden);
+  parameters = 0;
+  for (const auto& p : model->parameters()) parameters += p.numel();
+  auto trainer = volt::make_trainer<S>({.devices = c.devices, .max_epochs = 1}, Probe{c.warmup});
+  const auto bucket = static_cast<std::size_t>(c.bucket_mb) << 20;
+  trainer.strategy().set_bucket_bytes(std::min<std::size_t>(bucket, std::size_t{1} << 20), bucket);
+  const double start_rss = reset_peak();
   trainer.fit(model, volt::data::TensorLoader(x, y, {.batch_size = batch}));
   const Probe& p = trainer.template callback<Probe>();
   auto largest = [&](double v) {
     return trainer.strategy().all_reduce(torch::tensor({v}, torch::kFloat64), volt::Reduce::max).template item<double>();
   };
-  const double seconds = std::chrono::duration<double>(p.end - p.start).count() / static_cast<double>(steps);
+  const double seconds = std::chrono::duration<double>(p.end - p.start).count() / static_cast<double>(c.steps);
   rank_zero = trainer.is_global_zero();
-  return {largest(seconds), largest(p.state_bytes), largest(p.grad_bytes), largest(peak_rss(false))};
+  const double peak = status_bytes("VmHWM");
+  return {largest(seconds), largest(p.state_bytes), largest(p.grad_bytes), largest(peak), largest(peak - start_rss)};
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   at::set_num_threads(1);
-  int devices = 0, rounds = 3;
-  int64_t steps = 40, warmup = 5, width = 1536;
+  Config c;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--devices") devices = std::stoi(v);
-    else if (a == "--rounds") rounds = std::stoi(v);
-    else if (a == "--steps") steps = std::stoll(v);
-    else if (a == "--warmup") warmup = std::stoll(v);
-    else if (a == "--width") width = std::stoll(v);
+    if (a == "--devices") c.devices = std::stoi(v);
+    else if (a == "--rounds") c.rounds = std::stoi(v);
+    else if (a == "--steps") c.steps = std::stoll(v);
+    else if (a == "--warmup") c.warmup = std::stoll(v);
+    else if (a == "--width") c.width = std::stoll(v);
+    else if (a == "--hidden") c.hidden = std::stoi(v);
+    else if (a == "--bucket-mb") c.bucket_mb = std::stoll(v);
     else {
-      std::cerr << "zero: unknown argument " << a << "; allowed: --devices W --rounds N --steps N --warmup N --width N\n";
+      std::cerr << "zero: unknown argument " << a << "; allowed: --devices W --rounds N --steps N --warmup N "
+                << "--width N --hidden N --bucket-mb N\n";
       return 2;
     }
   }
-  if (devices == 0) {  // under mpirun: its size
-    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
-    devices = size != nullptr ? std::stoi(size) : 2;
+  if (c.hidden < 1 || c.bucket_mb < 1) {
+    std::cerr << "zero: --hidden and --bucket-mb take a positive number, got " << c.hidden << " and " << c.bucket_mb << "\n";
+    return 2;
   }
+  if (c.devices == 0) {  // under mpirun: its size
+    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+    c.devices = size != nullptr ? std::stoi(size) : 2;
+  }
+  const int devices = c.devices, rounds = c.rounds;
   using Ddp = volt::DDP<volt::Script, volt::Mpi>;
   using Zero1 = volt::ZeRO<1, volt::Script, volt::Mpi>;
   using Zero2 = volt::ZeRO<2, volt::Script, volt::Mpi>;
   std::map<std::string, std::vector<Figures>> all;
   for (int r = 0; r < rounds; ++r) {
-    all["DDP"].push_back(run<Ddp>(devices, width, steps, warmup));
-    all["ZeRO<1>"].push_back(run<Zero1>(devices, width, steps, warmup));
-    all["ZeRO<2>"].push_back(run<Zero2>(devices, width, steps, warmup));
+    all["DDP"].push_back(run<Ddp>(c));
+    all["ZeRO<1>"].push_back(run<Zero1>(c));
+    all["ZeRO<2>"].push_back(run<Zero2>(c));
   }
   if (!rank_zero) return 0;
-  const int64_t params = 784 * width + width + width * width + width + width * 10 + 10;
   std::map<std::string, Figures> med;
   for (auto& [name, runs] : all) {
     auto pick = [&](double Figures::*f) {
@@ -125,19 +151,23 @@ int main(int argc, char** argv) {
       return median(v);
     };
     med[name] = {pick(&Figures::seconds_per_step), pick(&Figures::state_bytes), pick(&Figures::grad_bytes),
-                 pick(&Figures::peak_bytes)};
+                 pick(&Figures::peak_bytes), pick(&Figures::growth_bytes)};
     const Figures& m = med[name];
     std::cout << "{\"bench\":\"zero\",\"strategy\":\"" << name << "\",\"world_size\":" << devices
-              << ",\"parameters\":" << params << ",\"rounds\":" << rounds << ",\"steps\":" << steps
+              << ",\"parameters\":" << parameters << ",\"bucket_mb\":" << c.bucket_mb << ",\"rounds\":" << rounds
+              << ",\"steps\":" << c.steps
               << ",\"steps_per_s\":" << 1.0 / m.seconds_per_step << ",\"optimizer_state_bytes\":" << m.state_bytes
-              << ",\"gradient_bytes\":" << m.grad_bytes << ",\"peak_rss_bytes\":" << m.peak_bytes << "}" << std::endl;
+              << ",\"gradient_bytes\":" << m.grad_bytes << ",\"peak_rss_bytes\":" << m.peak_bytes
+              << ",\"peak_growth_bytes\":" << m.growth_bytes << "}" << std::endl;
   }
   for (const char* name : {"ZeRO<1>", "ZeRO<2>"}) {
     const Figures &z = med[name], &d = med["DDP"];
     std::cout << "{\"bench\":\"zero_vs_ddp\",\"strategy\":\"" << name << "\",\"world_size\":" << devices
+              << ",\"parameters\":" << parameters << ",\"bucket_mb\":" << c.bucket_mb
               << ",\"state_bytes_ratio\":" << z.state_bytes / d.state_bytes
               << ",\"gradient_bytes_ratio\":" << z.grad_bytes / d.grad_bytes
               << ",\"peak_rss_ratio\":" << z.peak_bytes / d.peak_bytes
+              << ",\"peak_growth_ratio\":" << z.growth_bytes / d.growth_bytes
               << ",\"steps_per_s_ratio\":" << d.seconds_per_step / z.seconds_per_step << "}" << std::endl;
   }
   return 0;

@@ -13,6 +13,8 @@
 //   distributed predict <script|spawn> WORLD          predict (gathered, and written by PredictionWriter) and validate
 //                                                     on 1001 samples == a hand-written loop
 //   distributed fail <script|spawn> RANK STEP         rank RANK throws at step STEP (the job must end)
+//   distributed zero-inf STAGE                         ZeRO, a scaled loss, an inf on one rank: every rank skips the step
+//   distributed zero-unfreeze                          ZeRO<2> on 2 ranks, a layer unfrozen during the fit: refused
 //   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
 //                                                     with MESSAGE in its output and leaves no process behind
 //   distributed gpu-zero <script|spawn>               the same with ZeRO<2, L, Nccl>
@@ -37,6 +39,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -191,6 +194,30 @@ int fit_scenario_with(int accumulate, bool fused, double ema_decay, Callbacks...
 struct ZeroNetImpl : NetImpl {
   bool adam = true;
   bool fused = false;
+  /// The most bytes of `.grad` that layers b and c held when layer a's weight received its gradient, in backwards
+  /// that step (every third micro-batch: 12 or 6 per epoch); -1 while none ran.
+  int64_t held_late = -1;
+  bool stepping = false;
+  ZeroNetImpl() {
+    a->weight.register_hook([this](const torch::Tensor&) {
+      if (!stepping) return;
+      int64_t bytes = 0;
+      for (const auto& p : {b->weight, b->bias, c->weight, c->bias}) bytes += static_cast<int64_t>(volt::detail::bytes_of(p.grad()));
+      held_late = std::max(held_late, bytes);
+    });
+  }
+  /// Batch 2 of every epoch, the last of its window, returns no loss on every rank: that window does not step.
+  static constexpr int64_t kSkipped = 2;
+  /// Batch 4: layer a, frozen before the fit, starts to require gradients (the sharded layout refuses that).
+  bool unfreeze = false;
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    if (unfreeze && ctx.batch_idx() == 4) {
+      for (auto& p : a->parameters()) p.set_requires_grad(true);
+    }
+    if (ctx.batch_idx() == kSkipped) return {};
+    stepping = (ctx.batch_idx() + 1) % 3 == 0;
+    return NetImpl::training_step(batch, ctx);
+  }
   std::unique_ptr<torch::optim::Optimizer> configure_optimizers() {
     if (adam && fused) return std::make_unique<volt::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01));
     if (adam) return std::make_unique<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01));
@@ -200,8 +227,11 @@ struct ZeroNetImpl : NetImpl {
 
 /// The one-process reference for `world` ranks: global batch i of an epoch is every rank's local batch i in rank
 /// order (rank r's local order: positions r, r + world, ... of randperm(n) seeded with seed + epoch), the loss their
-/// mean over the window of `accumulate` batches, the gradients clipped to a total norm of `clip` before each step.
-torch::Tensor zero_reference(int world, int64_t n, int epochs, int accumulate, double clip, bool adam) {
+/// mean over the window of `accumulate` batches, the gradients clipped to a total norm of `clip` before each step;
+/// batch `ZeroNetImpl::kSkipped` (the last of its window) is skipped, and with it that window's step; so is the step
+/// of epoch 0's batch `skip_step_at`.
+torch::Tensor zero_reference(int world, int64_t n, int epochs, int accumulate, double clip, bool adam,
+                             int64_t skip_step_at = -1) {
   auto [x, y] = data(n);
   ZeroNetImpl net;
   std::unique_ptr<torch::optim::Optimizer> opt;
@@ -219,8 +249,9 @@ torch::Tensor zero_reference(int world, int64_t n, int epochs, int accumulate, d
       for (int r = 0; r < world; ++r) idx.push_back(perm.slice(0, r, n, world).slice(0, i * kBatch, (i + 1) * kBatch));
       const auto id = torch::cat(idx);
       if (i % accumulate == 0) opt->zero_grad();
+      if (i == ZeroNetImpl::kSkipped) continue;
       ((net.forward(x.index_select(0, id)) - y.index_select(0, id)).pow(2).mean() / accumulate).backward();
-      if ((i + 1) % accumulate == 0 || i + 1 == batches) {
+      if (((i + 1) % accumulate == 0 || i + 1 == batches) && !(e == 0 && i == skip_step_at)) {
         torch::nn::utils::clip_grad_norm_(net.parameters(), clip);
         opt->step();
       }
@@ -254,7 +285,10 @@ int zero_scenario(int world, bool adam, bool fused) {
     check(torch::allclose(flat(net), want, 1e-5, 1e-6), "ZeRO weights equal the one-process reference (max diff " +
                                                             std::to_string(diff) + ")");
   }
-  if constexpr (std::is_same_v<L, volt::Script>) {
+  if constexpr (std::is_same_v<L, volt::Script>) {  // (Spawn's workers trained their own copies of the net)
+    // Each `.grad` went into its bucket and was dropped as it arrived: the later layers held none by then.
+    check(net.held_late == 0, "layers b and c held " + std::to_string(net.held_late) + " bytes of .grad when layer "
+                              "a's gradient arrived in a stepping backward (want 0: each dropped once in its bucket)");
     // Every rank holds the same weights (the all-gather after the last step reached them all).
     const torch::Tensor every = trainer.strategy().all_gather(flat(net));
     check(torch::equal(std::get<0>(every.min(0)), std::get<0>(every.max(0))), "every rank ends with the same weights");
@@ -273,6 +307,69 @@ int zero_scenario(int world, bool adam, bool fused) {
           "gradient bytes held: " + std::to_string(grads) + " (stage 1: whole buckets; stage 2: this rank's blocks)");
   }
   return failures == 0 ? 0 : 1;
+}
+
+/// Fp16Mixed's loss scaling without its float16 autocast, so that it runs on the CPU: its scaler's inf check is tested.
+struct ScaledFp32 : volt::Fp16Mixed {
+  static constexpr const char* name = "ScaledFp32";
+  static constexpr bool needs_fp16_autocast = false;
+  using Fp16Mixed::Fp16Mixed;
+  volt::PrecisionDefaults::NoGuard forward_context(c10::DeviceType) { return {}; }
+};
+
+/// Puts an inf into rank 1's first piece's gradient after the backward of epoch 0's batch `batch`.
+struct PoisonRankOne {
+  int64_t batch = 3;
+  int64_t now = -1;
+  template <class T, class M, class B>
+  void on_train_batch_start(T&, M&, const B&, int64_t batch_idx) {
+    now = batch_idx;
+  }
+  template <class T, class M>
+  void on_after_backward(T& trainer, M&) {
+    if (trainer.strategy().global_rank() != 1 || trainer.current_epoch() != 0 || now != batch) return;
+    torch::NoGradGuard no_grad;
+    trainer.optimizer()->param_groups()[0].params()[0].mutable_grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+  }
+};
+
+/// ZeRO stage `Stage` on 2 ranks with a scaled loss whose gradients hold an inf on rank 1 only, at one step: every rank
+/// skips that step (the inf check agreed) and backs the scale off; the weights equal a one-process loop without it.
+template <int Stage>
+int zero_inf_scenario() {
+  const int64_t n = 96;
+  const int64_t poisoned = 3;
+  auto [x, y] = data(n);
+  ZeroNetImpl net;
+  net.adam = false;
+  auto trainer = volt::make_trainer<volt::ZeRO<Stage, volt::Script, volt::Mpi>, ScaledFp32>(
+      {.devices = kWorld, .max_epochs = 2}, PoisonRankOne{poisoned});
+  trainer.strategy().set_bucket_bytes(256, 512);
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}));
+  const torch::Tensor every = trainer.strategy().all_gather(flat(net));
+  check(torch::equal(std::get<0>(every.min(0)), std::get<0>(every.max(0))), "every rank ends with the same weights");
+  const double scale = trainer.precision().scaler().state_dict().at("scale");
+  check(scale == 65536.0 / 2, "the loss scale backed off once (" + std::to_string(scale) + ", want 32768)");
+  if (trainer.is_global_zero()) {
+    const torch::Tensor want = zero_reference(kWorld, n, 2, 1, 1e9, false, poisoned);
+    const double diff = (flat(net) - want).abs().max().item<double>();
+    std::cout << "ZeRO<" << Stage << "> with an inf on rank 1: max |weights - reference| = " << diff << std::endl;
+    check(torch::allclose(flat(net), want, 1e-5, 1e-6), "the poisoned step was skipped on every rank (max diff " +
+                                                            std::to_string(diff) + ")");
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+/// ZeRO<2> on 2 ranks whose module unfreezes a layer during the fit: refused (the layout is made once), on every rank.
+int zero_unfreeze_scenario() {
+  auto [x, y] = data(96);
+  ZeroNetImpl net;
+  net.unfreeze = true;
+  for (auto& p : net.a->parameters()) p.set_requires_grad(false);
+  auto trainer = volt::make_trainer<volt::ZeRO<2, volt::Script, volt::Mpi>>({.devices = kWorld, .max_epochs = 1});
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch}));
+  std::cerr << "fit returned although a parameter was unfrozen during a ZeRO fit" << std::endl;
+  return 3;
 }
 
 // ---- max_time across ranks -------------------------------------------------------------------------------------
@@ -811,6 +908,10 @@ const Mode kModes[] = {
        return spawn_given(a) ? zero_scenario<2, volt::Spawn>(world, adam, fused)
                              : zero_scenario<2, volt::Script>(world, adam, fused);
      }},
+    {"zero-inf", "stage: ZeRO on 2 ranks, a scaled loss, an inf in one rank's gradients: every rank skips that step",
+     [](const std::vector<std::string>& a) { return a.at(1) == "1" ? zero_inf_scenario<1>() : zero_inf_scenario<2>(); }},
+    {"zero-unfreeze", ": ZeRO<2> on 2 ranks whose module unfreezes a layer during the fit (refused)",
+     [](const std::vector<std::string>&) { return zero_unfreeze_scenario(); }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
     {"max-time", ": max_time on 2 ranks stepping at different speeds: both stop after the same batch",
      [](const std::vector<std::string>&) { return max_time_scenario(); }},

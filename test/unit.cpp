@@ -183,6 +183,51 @@ TEST_CASE("DDP at world size 1 (MPI singleton, real reducer) trains as SingleDev
   CHECK(volt::detail::MpiRuntime::instance().initialized());
 }
 
+TEST_CASE("ZeRO stage 2's reducer: at most two buckets alive during backward, each .grad dropped, blocks averaged",
+          "[unit][dist]") {
+  // A chain of six parameters, h = tanh(h * p_i): backward reaches p5 first and p0 last; one parameter per bucket.
+  torch::manual_seed(3);
+  std::vector<torch::Tensor> params, copies;
+  for (int i = 0; i < 6; ++i) {
+    params.push_back(torch::randn({250}).requires_grad_(true));
+    copies.push_back(params.back().detach().clone().requires_grad_(true));
+  }
+  const torch::Tensor x = torch::randn({250});
+  auto loss_of = [&](const std::vector<torch::Tensor>& ps) {
+    torch::Tensor h = x;
+    for (const auto& p : ps) h = torch::tanh(h * p);
+    return h.sum();
+  };
+  loss_of(copies).backward();  // the reference gradients, plain autograd
+  volt::Mpi world_of_one;
+  volt::detail::Reducer<volt::Mpi> reducer(params, world_of_one, 1, 1000, 1000,
+                                            volt::detail::GradSync::reduce_scatter_to_blocks);
+  REQUIRE(reducer.num_buckets() == 6);
+  std::size_t most_alive = 0, grads_alive = 0;
+  for (auto& p : params) {  // runs as each gradient reaches its parameter, before its accumulator
+    p.register_hook([&](const torch::Tensor&) {
+      std::size_t alive = 0;
+      for (const auto& b : reducer.buckets()) alive += b.flat.defined() ? 1 : 0;
+      most_alive = std::max(most_alive, alive);
+      for (const auto& q : params) grads_alive += q.grad().defined() ? 1 : 0;
+    });
+  }
+  reducer.prepare(/*sync=*/true);
+  loss_of(params).backward();
+  reducer.finish();
+  CHECK(most_alive == 2);  // volt::detail::kBucketsInFlight
+  CHECK(grads_alive == 0);  // each .grad went into its bucket and was dropped before the next gradient arrived
+  std::size_t block_bytes = 0;
+  for (std::size_t i = 0; i < 6; ++i) {
+    const std::size_t j = reducer.buckets()[i].members.front();
+    CHECK(j == 5 - i);
+    CHECK(!params[j].grad().defined());
+    CHECK(torch::allclose(reducer.blocks()[i], copies[j].grad()));
+    block_bytes += volt::detail::bytes_of(reducer.blocks()[i]);
+  }
+  CHECK(reducer.gradient_bytes() == block_bytes);
+}
+
 TEST_CASE("SingleDevice refuses to run as one of several processes of an mpirun, srun or torchrun job",
           "[unit][dist]") {
   auto single = [] { volt::Trainer<> t; };

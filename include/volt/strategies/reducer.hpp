@@ -3,7 +3,7 @@
 /// Gradient averaging for data parallelism, in the manner of PyTorch's DDP Reducer: parameters are grouped
 /// into flat buckets in reverse order (the order backward produces gradients), the first bucket capped at
 /// 1 MiB so communication starts early and the others at 25 MiB; a bucket's all-reduce starts as soon as its
-/// last gradient arrives, buckets are started in index order on every rank (so the collectives match),
+/// last gradient arrives (a hook run after each parameter's gradient accumulator, as PyTorch's), buckets are started in index order on every rank (so the collectives match),
 /// and at the end of backward every bucket is waited for and copied back into `.grad`.
 ///
 /// Gradient accumulation: on micro-batches that do not step, the hooks stay disarmed and gradients accumulate
@@ -17,18 +17,29 @@
 /// reduced at all. A parameter that starts to require gradients after the reducer was built is adopted: it gets its
 /// hook and the buckets are laid out again (the same way on every rank).
 ///
-/// The sharded strategy (ZeRO) reduce-scatters the buckets instead (`GradSync::reduce_scatter`): each bucket is padded
-/// to a multiple of the world size, and after `finish` this rank's block of each bucket holds the averaged gradients
-/// of the elements it owns; the module's `.grad` of the parameters that took part are dropped (their averages live in
-/// the blocks). Its layout is fixed once made: a parameter that starts to require gradients later is refused.
+/// The sharded strategy (ZeRO) reduce-scatters the buckets instead: each bucket is padded to a multiple of the world
+/// size, and after `finish` this rank's block of each bucket holds the averaged gradients of the elements it owns;
+/// the module's `.grad` of the parameters that took part are dropped as each is copied into its bucket (so a backward
+/// never holds every gradient twice). Stage 1 (`GradSync::reduce_scatter`) keeps the buckets whole, the blocks inside
+/// them; stage 2 (`GradSync::reduce_scatter_to_blocks`) keeps only this rank's blocks (`blocks()`): a bucket's buffer
+/// is made when its first gradient arrives and freed once its reduce-scatter is done and its block copied out, and
+/// when a bucket starts with `kBucketsInFlight` before it still in flight, the oldest is finished first, so a backward
+/// holds the blocks plus a few buckets rather than every gradient. Its layout is fixed once made: a parameter that
+/// starts to require gradients later is refused.
 
+#include "volt/comm/concept.hpp"
 #include "volt/context.hpp"
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/types.h>
 
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -37,20 +48,35 @@ namespace volt::detail {
 
 inline constexpr std::size_t kFirstBucketBytes = std::size_t{1} << 20;
 inline constexpr std::size_t kBucketBytes = std::size_t{25} << 20;
+/// ZeRO stage 2: buckets whose reduce-scatter may run at once during backward (their buffers exist until then).
+inline constexpr std::size_t kBucketsInFlight = 2;
 
 /// The bytes `t` holds (none when undefined).
 inline std::size_t bytes_of(const torch::Tensor& t) {
   return t.defined() ? static_cast<std::size_t>(t.numel()) * t.element_size() : 0;
 }
 
-/// What a bucket's collective leaves: every rank the whole average (DDP), or each rank its block of it (ZeRO).
-enum class GradSync { all_reduce, reduce_scatter };
+/// Runs `fn` after a gradient accumulator ran: the parameter's `.grad` then holds this backward's gradient added to
+/// what it accumulated before.
+struct AfterAccumulation final : torch::autograd::FunctionPostHook {
+  explicit AfterAccumulation(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    fn_();
+    return outputs;
+  }
+  std::function<void()> fn_;
+};
+
+/// What a bucket's collective leaves: every rank the whole average (DDP), or each rank its block of it, in the bucket
+/// kept whole (ZeRO stage 1) or copied out of it, the bucket freed (stage 2).
+enum class GradSync { all_reduce, reduce_scatter, reduce_scatter_to_blocks };
 
 template <class Backend>
 class Reducer {
  public:
   /// A bucket of gradients: its parameters' indices, where each starts in `flat`, and the flat buffer itself
-  /// (reduce-scatter: padded to a multiple of the world size; undefined between backwards after `release_flats`).
+  /// (reduce-scatter: padded to a multiple of the world size; to blocks: defined only while its gradients travel).
   struct Bucket {
     std::vector<std::size_t> members;
     std::vector<int64_t> offsets;
@@ -59,7 +85,8 @@ class Reducer {
     std::vector<char> taking_part;
     bool active = true;
     torch::Tensor flat;
-    int64_t numel = 0;  // the flat buffer's length, padding included
+    torch::TensorOptions options;  // the flat buffer's dtype and device
+    int64_t numel = 0;             // its length, padding included
     std::size_t pending = 0;
     bool ready = false;
     typename Backend::Work work;
@@ -68,29 +95,26 @@ class Reducer {
   Reducer(std::vector<torch::Tensor> params, Backend& backend, int world_size, std::size_t first_bucket_bytes = kFirstBucketBytes,
           std::size_t bucket_bytes = kBucketBytes, GradSync sync = GradSync::all_reduce)
       : params_(std::move(params)), backend_(&backend), world_size_(world_size), first_cap_(first_bucket_bytes),
-        cap_(bucket_bytes), sync_(sync), hooks_(params_.size(), -1) {
+        cap_(bucket_bytes), sync_(sync), hooks_(params_.size()) {
     adopt();
   }
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
   ~Reducer() {
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (hooks_[i] >= 0) params_[i].remove_hook(static_cast<unsigned>(hooks_[i]));
-    }
+    for (auto& h : hooks_) unhook(h);
   }
 
   std::size_t num_buckets() const { return buckets_.size(); }
   const std::vector<Bucket>& buckets() const { return buckets_; }
-  /// Bytes of gradients held: the parameters' `.grad` and the buckets' buffers.
+  /// `GradSync::reduce_scatter_to_blocks`: this rank's block of every bucket, the averages after `finish`.
+  const std::vector<torch::Tensor>& blocks() const { return blocks_; }
+  /// Bytes of gradients held: the parameters' `.grad`, the buckets' buffers and the blocks.
   std::size_t gradient_bytes() const {
     std::size_t bytes = 0;
     for (const auto& p : params_) bytes += bytes_of(p.grad());
     for (const auto& b : buckets_) bytes += bytes_of(b.flat);
+    for (const auto& b : blocks_) bytes += bytes_of(b);
     return bytes;
-  }
-  /// Frees every bucket's flat buffer until the next synchronised backward (ZeRO stage 2 keeps only its blocks).
-  void release_flats() {
-    for (auto& b : buckets_) b.flat = torch::Tensor();
   }
   /// Parameter indices of each bucket, in the order they fill it.
   std::vector<std::vector<std::size_t>> bucket_layout() const {
@@ -105,8 +129,8 @@ class Reducer {
     armed_ = sync;
     if (!armed_) return;
     next_launch_ = 0;
+    in_flight_.clear();
     for (auto& b : buckets_) {
-      if (!b.flat.defined()) b.flat = torch::zeros({b.numel}, params_[b.members.front()].options().requires_grad(false));
       b.pending = 0;
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         b.taking_part[k] = params_[b.members[k]].requires_grad() ? 1 : 0;
@@ -118,7 +142,8 @@ class Reducer {
     }
   }
 
-  /// After backward: finishes every bucket and writes the averaged gradients into `.grad`.
+  /// After backward: finishes every bucket; DDP: writes the averaged gradients into `.grad` (ZeRO: they are in the
+  /// blocks).
   void finish() {
     if (!armed_) return;
     armed_ = false;
@@ -127,26 +152,23 @@ class Reducer {
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         if (b.arrived[k] || !b.taking_part[k]) continue;
         const torch::Tensor& g = params_[b.members[k]].grad();
-        torch::Tensor slot = b.flat.narrow(0, b.offsets[k], params_[b.members[k]].numel());
+        torch::Tensor slot = buffer_of(b).narrow(0, b.offsets[k], params_[b.members[k]].numel());
         if (g.defined()) {
           slot.copy_(g.reshape(-1));
           slot.div_(world_size_);
         } else {
           slot.zero_();
         }
+        if (sync_ != GradSync::all_reduce) params_[b.members[k]].mutable_grad() = torch::Tensor();
       }
       b.ready = true;
     }
     launch_ready();
+    for (std::size_t i : in_flight_) complete(i);
+    in_flight_.clear();
+    if (sync_ != GradSync::all_reduce) return;
     for (auto& b : buckets_) {
       if (!b.active) continue;
-      b.work.wait();
-      if (sync_ == GradSync::reduce_scatter) {  // the averages are in the blocks; the local sums are spent
-        for (std::size_t k = 0; k < b.members.size(); ++k) {
-          if (b.taking_part[k]) params_[b.members[k]].mutable_grad() = torch::Tensor();
-        }
-        continue;
-      }
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         if (!b.taking_part[k]) continue;
         torch::Tensor& p = params_[b.members[k]];
@@ -162,16 +184,31 @@ class Reducer {
   }
 
  private:
-  /// Hooks the parameters that require gradients and have none yet; lays the buckets out again when there were any.
+  /// Where a parameter's hook sits: its gradient accumulator (held, as autograd holds it only weakly) and the key.
+  struct Hook {
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    std::uintptr_t key = 0;
+  };
+  static void unhook(Hook& h) {
+    if (h.accumulator) h.accumulator->del_post_hook(h.key);
+    h.accumulator.reset();
+  }
+
+  /// Hooks the parameters that require gradients and have none yet, laying the buckets out again when there were
+  /// any; a parameter whose accumulator autograd made anew (its dtype or device changed) is hooked again.
   void adopt() {
     bool adopted = false;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (hooks_[i] >= 0 || !params_[i].requires_grad()) continue;
-      hooks_[i] = static_cast<int>(params_[i].register_hook([this, i](const torch::Tensor& grad) { on_grad(i, grad); }));
-      adopted = true;
+      if (!params_[i].requires_grad()) continue;
+      auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+      if (!accumulator || accumulator == hooks_[i].accumulator) continue;
+      adopted = adopted || !hooks_[i].accumulator;
+      unhook(hooks_[i]);
+      hooks_[i].key = accumulator->add_post_hook(std::make_unique<AfterAccumulation>([this, i] { on_grad(i); }));
+      hooks_[i].accumulator = std::move(accumulator);
     }
     if (!adopted) return;
-    if (sync_ == GradSync::reduce_scatter && !buckets_.empty()) {
+    if (sync_ != GradSync::all_reduce && !buckets_.empty()) {
       throw ConfigError("volt: a parameter started to require gradients during a sharded (ZeRO) fit; the shards are "
                         "laid out once, at the fit's start: unfreeze it before fit, or use DDP.");
     }
@@ -180,6 +217,7 @@ class Reducer {
 
   void build_buckets(std::size_t first_cap, std::size_t cap) {
     buckets_.clear();
+    blocks_.clear();
     offset_ = 0;
     bucket_of_.assign(params_.size(), 0);
     slot_of_.assign(params_.size(), 0);
@@ -187,17 +225,17 @@ class Reducer {
     std::size_t open_bytes = 0;
     for (std::size_t j = params_.size(); j-- > 0;) {
       const torch::Tensor& p = params_[j];
-      if (hooks_[j] < 0) continue;
+      if (!hooks_[j].accumulator) continue;
       if (p.is_sparse()) throw std::invalid_argument("volt: DDP does not average sparse gradients.");
       const std::size_t bytes = static_cast<std::size_t>(p.numel()) * p.element_size();
       const std::size_t limit = buckets_.size() == 1 ? first_cap : cap;  // the open bucket is the first one
-      const bool fits = open != nullptr && open->flat.scalar_type() == p.scalar_type() &&
-                        open->flat.device() == p.device() && open_bytes + bytes <= limit;
+      const bool fits = open != nullptr && open->options.dtype() == p.dtype() && open->options.device() == p.device() &&
+                        open_bytes + bytes <= limit;
       if (!fits) {
         if (open != nullptr) close_bucket(*open);
         buckets_.push_back(Bucket{});
         open = &buckets_.back();
-        open->flat = torch::empty({0}, p.options().requires_grad(false));
+        open->options = p.options().requires_grad(false);
         open_bytes = 0;
         offset_ = 0;
       }
@@ -213,28 +251,48 @@ class Reducer {
     if (open != nullptr) close_bucket(*open);
   }
 
-  /// The open bucket's buffer, once its members are known (padded for a reduce-scatter).
+  /// The open bucket's length once its members are known (padded for a reduce-scatter), its buffer (to blocks: its
+  /// block; the buffer is made as gradients arrive).
   void close_bucket(Bucket& b) {
-    b.numel = sync_ == GradSync::reduce_scatter ? (offset_ + world_size_ - 1) / world_size_ * world_size_ : offset_;
-    b.flat = torch::zeros({b.numel}, b.flat.options());
+    const bool padded = sync_ != GradSync::all_reduce;
+    b.numel = padded ? (offset_ + world_size_ - 1) / world_size_ * world_size_ : offset_;
+    if (sync_ == GradSync::reduce_scatter_to_blocks) {
+      blocks_.push_back(torch::zeros({b.numel / world_size_}, b.options));
+    } else {
+      b.flat = torch::zeros({b.numel}, b.options);
+    }
+  }
+  torch::Tensor& buffer_of(Bucket& b) {
+    if (!b.flat.defined()) b.flat = torch::zeros({b.numel}, b.options);
+    return b.flat;
+  }
+  /// Waits for bucket `i`'s collective; to blocks: copies this rank's block out and frees the bucket.
+  void complete(std::size_t i) {
+    Bucket& b = buckets_[i];
+    b.work.wait();
+    if (sync_ != GradSync::reduce_scatter_to_blocks) return;
+    blocks_[i].copy_(block_of(b.flat, backend_->rank(), world_size_));
+    b.flat = torch::Tensor();
   }
 
-  void on_grad(std::size_t i, const torch::Tensor& grad) {
+  /// After parameter `i`'s accumulator ran: its `.grad` (the accumulated gradient) goes into the bucket, averaged.
+  void on_grad(std::size_t i) {
     if (!armed_) return;
     Bucket& b = buckets_[bucket_of_[i]];
     const std::size_t k = slot_of_[i];
-    // A parameter frozen after the forward that used it still has its hook called (autograd then adds nothing to
+    // A parameter frozen after the forward that used it still has its accumulator run (which then adds nothing to
     // its .grad): it is not counted, so the bucket waits for the gradients it did count.
     if (b.arrived[k] || !b.taking_part[k]) return;
     torch::NoGradGuard no_grad;
-    torch::Tensor slot = b.flat.narrow(0, b.offsets[k], grad.numel());
-    const torch::Tensor& accumulated = params_[i].grad();
-    if (accumulated.defined()) {
-      torch::add_out(slot, accumulated.reshape(-1), grad.reshape(-1));
-    } else {
+    torch::Tensor slot = buffer_of(b).narrow(0, b.offsets[k], params_[i].numel());
+    torch::Tensor& grad = params_[i].mutable_grad();
+    if (grad.defined()) {
       slot.copy_(grad.reshape(-1));
+      slot.div_(world_size_);
+    } else {
+      slot.zero_();
     }
-    slot.div_(world_size_);
+    if (sync_ != GradSync::all_reduce) grad = torch::Tensor();  // its average will be in a block
     b.arrived[k] = 1;
     if (--b.pending == 0) {
       b.ready = true;
@@ -242,13 +300,20 @@ class Reducer {
     }
   }
 
-  /// Starts every ready bucket whose predecessors have started: the same order on every rank.
+  /// Starts every ready bucket whose predecessors have started: the same order on every rank. To blocks: with
+  /// `kBucketsInFlight` buckets travelling, the oldest is completed before another starts.
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
-      Bucket& b = buckets_[next_launch_++];
+      const std::size_t i = next_launch_++;
+      Bucket& b = buckets_[i];
       if (!b.active) continue;
+      if (sync_ == GradSync::reduce_scatter_to_blocks && in_flight_.size() == kBucketsInFlight) {
+        complete(in_flight_.front());
+        in_flight_.erase(in_flight_.begin());
+      }
       b.work = sync_ == GradSync::all_reduce ? backend_->iall_reduce_(b.flat, Reduce::sum)
                                              : backend_->ireduce_scatter_(b.flat, Reduce::sum);
+      in_flight_.push_back(i);
     }
   }
 
@@ -258,8 +323,10 @@ class Reducer {
   std::size_t first_cap_, cap_;
   GradSync sync_;
   std::vector<Bucket> buckets_;
+  std::vector<torch::Tensor> blocks_;    // to blocks: this rank's block of each bucket
+  std::vector<std::size_t> in_flight_;  // buckets started and not yet completed, oldest first
   std::vector<std::size_t> bucket_of_, slot_of_;
-  std::vector<int> hooks_;
+  std::vector<Hook> hooks_;
   int64_t offset_ = 0;
   std::size_t next_launch_ = 0;
   bool armed_ = false;

@@ -13,9 +13,10 @@
 ///    r of every bucket. The optimizer's parameter groups are given, in place of each parameter, the piece of it that
 ///    falls in this rank's blocks, before its first step: its state (made at its first step) covers those pieces only;
 ///  - gradients: on the micro-batch that steps, each bucket is reduce-scattered (averaged) as soon as its last
-///    gradient arrives, in bucket order on every rank; the pieces' gradients are this rank's reduced block, and the
-///    module's `.grad` are dropped. Stage 1 keeps every bucket's full gradient buffer between steps, stage 2 only its
-///    block (the buffer is made again for each synchronised backward). Micro-batches that only accumulate do so in
+///    gradient arrives, in bucket order on every rank; the pieces' gradients are this rank's reduced block, and each
+///    module `.grad` is dropped as its bucket takes it. Stage 1 keeps every bucket's full gradient buffer, stage 2
+///    only its block: a bucket's buffer lives from its first gradient to the end of its reduce-scatter, with at most
+///    two in flight (`detail::kBucketsInFlight`), so its backward holds the blocks and a few buckets. Micro-batches that only accumulate do so in
 ///    `.grad`, locally, as under DDP. So `on_before_optimizer_step` finds no `.grad` on the module's parameters (the
 ///    averages are in the pieces: `optimizer.param_groups()`), and zero_grad drops every module parameter's `.grad`;
 ///  - the step: gradient clipping reduces the squared norm across ranks (Fp16Mixed's inf check likewise, so every rank
@@ -78,12 +79,10 @@ class ZeRO : public DDP<L, B> {
     if (!reducer_) {
       reducer_ = std::make_unique<detail::Reducer<B>>(this->params_, this->backend(), this->world_size(),
                                                       this->first_bucket_bytes_, this->bucket_bytes_,
-                                                      detail::GradSync::reduce_scatter);
+                                                      Stage == 1 ? detail::GradSync::reduce_scatter
+                                                                 : detail::GradSync::reduce_scatter_to_blocks);
       shards_ = std::make_unique<detail::ShardLayout>(reducer_->buckets(), this->params_, this->global_rank(),
                                                       this->world_size());
-      if constexpr (Stage == 2) {
-        for (const at::Tensor& flat : shards_->flats()) grad_blocks_.push_back(torch::zeros({flat.numel() / this->world_size()}, flat.options()));
-      }
     }
     std::vector<std::vector<at::Tensor>> full;
     for (auto& group : optimizer.param_groups()) {
@@ -113,23 +112,18 @@ class ZeRO : public DDP<L, B> {
     if (!synced_) return;
     synced_ = false;
     const auto& buckets = reducer_->buckets();
-    if constexpr (Stage == 2) {
-      for (std::size_t i = 0; i < buckets.size(); ++i) {
-        grad_blocks_[i].copy_(detail::block_of(buckets[i].flat, this->global_rank(), this->world_size()));
-      }
-    }
     for (const detail::ShardPiece& piece : shards_->pieces()) {
       const auto& b = buckets[piece.bucket];
       at::Tensor& g = piece.tensor.mutable_grad();
       if (!b.taking_part[piece.slot]) {
         g = at::Tensor();
       } else if constexpr (Stage == 2) {
-        g = detail::alias(grad_blocks_[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket), piece.numel);
+        g = detail::alias(reducer_->blocks()[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket),
+                          piece.numel);
       } else {
         g = detail::alias(b.flat, piece.bucket_offset, piece.numel);
       }
     }
-    if constexpr (Stage == 2) reducer_->release_flats();
   }
 
   /// Clips this rank's pieces' gradients: by value elementwise, by norm with the norm over every rank's pieces (the
@@ -177,11 +171,7 @@ class ZeRO : public DDP<L, B> {
 
   /// Bytes this rank holds between steps: gradients (the module's `.grad`, the reducer's buffers, stage 2's blocks)
   /// and `optimizer`'s state.
-  std::size_t gradient_bytes() const {
-    std::size_t bytes = reducer_ ? reducer_->gradient_bytes() : 0;
-    for (const auto& g : grad_blocks_) bytes += detail::bytes_of(g);
-    return bytes;
-  }
+  std::size_t gradient_bytes() const { return reducer_ ? reducer_->gradient_bytes() : 0; }
 
  private:
   void require_layout() const {
@@ -190,7 +180,6 @@ class ZeRO : public DDP<L, B> {
   void drop_layout() {
     reducer_.reset();
     shards_.reset();
-    grad_blocks_.clear();
     full_params_.clear();
   }
   /// `params` with each laid-out module parameter replaced by this rank's piece of it (none: left out); a tensor that
@@ -259,7 +248,6 @@ class ZeRO : public DDP<L, B> {
 
   std::unique_ptr<detail::Reducer<B>> reducer_;
   std::unique_ptr<detail::ShardLayout> shards_;
-  std::vector<at::Tensor> grad_blocks_;  // stage 2: this rank's block of every bucket's averaged gradients
   std::unordered_map<const torch::optim::Optimizer*, std::vector<std::vector<at::Tensor>>> full_params_;
   bool synced_ = false;
 };
@@ -275,8 +263,9 @@ at::Tensor ZeRO<Stage, L, B>::optimizer_state(torch::optim::Optimizer& optimizer
   });
 }
 
-/// Every rank's pieces of each state tensor, bucket by bucket, in flat buffers laid out as the parameters' (gathered
-/// on every rank; [field][bucket], undefined for a field no rank has); `steps` becomes each parameter's step count,
+/// Every rank's pieces of each state tensor, gathered one bucket at a time into flat buffers laid out as the
+/// parameters', kept on rank zero only ([field][bucket]; no buckets for a field no rank has; elsewhere none at all,
+/// so a rank other than zero holds one bucket of one field at a time); `steps` becomes each parameter's step count,
 /// -1 where no rank holds state for it.
 template <int Stage, class L, class B>
 template <class Codec>
@@ -301,14 +290,17 @@ std::vector<std::vector<at::Tensor>> ZeRO<Stage, L, B>::gather_fields(torch::opt
   torch::NoGradGuard no_grad;
   for (std::size_t f = 0; f < Codec::fields; ++f) {
     if (defined[static_cast<int64_t>(f)].item<int64_t>() == 0) continue;
-    for (const at::Tensor& flat : shards_->flats()) fields[f].push_back(torch::zeros_like(flat));
-    for (const detail::ShardPiece& piece : pieces) {
-      const auto* s = detail::find_state(optimizer, piece.tensor);
-      if (s == nullptr) continue;
-      const at::Tensor t = Codec::tensors(static_cast<const State&>(*s))[f];
-      if (t.defined()) fields[f][piece.bucket].narrow(0, piece.bucket_offset, piece.numel).copy_(t.reshape(-1));
+    for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
+      at::Tensor buffer = torch::zeros_like(shards_->flats()[i]);
+      for (const detail::ShardPiece& piece : pieces) {
+        const auto* s = piece.bucket == i ? detail::find_state(optimizer, piece.tensor) : nullptr;
+        if (s == nullptr) continue;
+        const at::Tensor t = Codec::tensors(static_cast<const State&>(*s))[f];
+        if (t.defined()) buffer.narrow(0, piece.bucket_offset, piece.numel).copy_(t.reshape(-1));
+      }
+      this->backend().all_gather_(buffer);
+      if (this->is_global_zero()) fields[f].push_back(std::move(buffer));
     }
-    for (const at::Tensor& buffer : fields[f]) this->backend().all_gather_(buffer);
   }
   return fields;
 }

@@ -3,8 +3,9 @@
 /// Gradient averaging for data parallelism, in the manner of PyTorch's DDP Reducer: parameters are grouped
 /// into flat buckets in reverse order (the order backward produces gradients), the first bucket capped at
 /// 1 MiB so communication starts early and the others at 25 MiB; a bucket's all-reduce starts as soon as its
-/// last gradient arrives (a hook run after each parameter's gradient accumulator, as PyTorch's), buckets are started in index order on every rank (so the collectives match),
-/// and at the end of backward every bucket is waited for and copied back into `.grad`.
+/// last gradient arrives (a hook that runs after each parameter's gradient accumulator, as PyTorch's), buckets are
+/// started in index order on every rank (so the collectives match), and at the end of backward every bucket is
+/// waited for and copied back into `.grad`.
 ///
 /// Gradient accumulation: on micro-batches that do not step, the hooks stay disarmed and gradients accumulate
 /// locally; on the last one, each bucket takes the accumulated gradient plus the new one. A parameter that

@@ -23,9 +23,11 @@
 /// the module's `.grad` of the parameters that took part are dropped as each is copied into its bucket (so a backward
 /// never holds every gradient twice). Stage 1 (`GradSync::reduce_scatter`) keeps the buckets whole, the blocks inside
 /// them; stage 2 (`GradSync::reduce_scatter_to_blocks`) keeps only this rank's blocks (`blocks()`): a bucket's buffer
-/// is made when its first gradient arrives and freed once its reduce-scatter is done and its block copied out, and
-/// when a bucket starts with `kBucketsInFlight` before it still in flight, the oldest is finished first, so a backward
-/// holds the blocks plus a few buckets rather than every gradient. Its layout is fixed once made: a parameter that
+/// is made when its first gradient arrives and freed once its reduce-scatter is done and its block copied out, so a
+/// backward holds the blocks plus a few buckets rather than every gradient. In both, when a bucket starts with
+/// `kBucketsInFlight` before it still in flight, the oldest is finished first: a non-blocking MPI collective holds
+/// buffers of its own until it is waited for (on 4 ranks, 13 buckets: stage 1's memory rise 0.89 -> 0.46 of DDP's,
+/// bench/zero). Its layout is fixed once made: a parameter that
 /// starts to require gradients later is refused.
 
 #include "volt/comm/concept.hpp"
@@ -49,7 +51,7 @@ namespace volt::detail {
 
 inline constexpr std::size_t kFirstBucketBytes = std::size_t{1} << 20;
 inline constexpr std::size_t kBucketBytes = std::size_t{25} << 20;
-/// ZeRO stage 2: buckets whose reduce-scatter may run at once during backward (their buffers exist until then).
+/// ZeRO: buckets whose reduce-scatter may run at once during backward (stage 2's buffers exist until then).
 inline constexpr std::size_t kBucketsInFlight = 2;
 
 /// The bytes `t` holds (none when undefined).
@@ -301,14 +303,14 @@ class Reducer {
     }
   }
 
-  /// Starts every ready bucket whose predecessors have started: the same order on every rank. To blocks: with
+  /// Starts every ready bucket whose predecessors have started: the same order on every rank. Reduce-scatters: with
   /// `kBucketsInFlight` buckets travelling, the oldest is completed before another starts.
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
       const std::size_t i = next_launch_++;
       Bucket& b = buckets_[i];
       if (!b.active) continue;
-      if (sync_ == GradSync::reduce_scatter_to_blocks && in_flight_.size() == kBucketsInFlight) {
+      if (sync_ != GradSync::all_reduce && in_flight_.size() == kBucketsInFlight) {
         complete(in_flight_.front());
         in_flight_.erase(in_flight_.begin());
       }

@@ -15,8 +15,9 @@
 ///  - gradients: on the micro-batch that steps, each bucket is reduce-scattered (averaged) as soon as its last
 ///    gradient arrives, in bucket order on every rank; the pieces' gradients are this rank's reduced block, and each
 ///    module `.grad` is dropped as its bucket takes it. Stage 1 keeps every bucket's full gradient buffer, stage 2
-///    only its block: a bucket's buffer lives from its first gradient to the end of its reduce-scatter, with at most
-///    two in flight (`detail::kBucketsInFlight`), so its backward holds the blocks and a few buckets. Micro-batches that only accumulate do so in
+///    only its block: a bucket's buffer lives from its first gradient to the end of its reduce-scatter, so its
+///    backward holds the blocks and a few buckets. Both run at most two collectives at once
+///    (`detail::kBucketsInFlight`). Micro-batches that only accumulate do so in
 ///    `.grad`, locally, as under DDP. So `on_before_optimizer_step` finds no `.grad` on the module's parameters (the
 ///    averages are in the pieces: `optimizer.param_groups()`), and zero_grad drops every module parameter's `.grad`;
 ///  - the step: gradient clipping reduces the squared norm across ranks (Fp16Mixed's inf check likewise, so every rank
@@ -42,6 +43,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -198,9 +200,17 @@ class ZeRO : public DDP<L, B> {
     }
     return out;
   }
+  /// All-gathers every bucket's weights, at most `detail::kBucketsInFlight` at a time (as the reduce-scatters: a
+  /// non-blocking MPI collective holds buffers of its own until it is waited for).
   void gather_parameters() {
-    std::vector<typename B::Work> works;
-    for (const at::Tensor& flat : shards_->flats()) works.push_back(this->backend().iall_gather_(flat));
+    std::deque<typename B::Work> works;
+    for (const at::Tensor& flat : shards_->flats()) {
+      if (works.size() == detail::kBucketsInFlight) {
+        works.front().wait();
+        works.pop_front();
+      }
+      works.push_back(this->backend().iall_gather_(flat));
+    }
     for (auto& w : works) w.wait();
   }
   /// Sets every group's parameters of `optimizer` to `lists`, returning the lists it had.

@@ -87,18 +87,21 @@ int main(int argc, char** argv) {
   for (const auto& p : net->parameters()) params += p.numel();
   const auto volt_bytes = std::filesystem::file_size(volt_path);
   const auto torch_bytes = std::filesystem::file_size(torch_model) + std::filesystem::file_size(torch_optim);
-  std::cout << "{\"bench\": \"checkpoint_size\", \"model\": \"quickstart\", \"parameters\": " << params
-            << ", \"volt_bytes\": " << volt_bytes << ", \"torch_save_bytes\": " << torch_bytes
+  std::cout << "{\"bench\": \"checkpoint_size\"" << volt_bench::blas_field()
+            << ", \"model\": \"quickstart\", \"parameters\": " << params << ", \"volt_bytes\": " << volt_bytes
+            << ", \"torch_save_bytes\": " << torch_bytes
             << ", \"ratio\": " << static_cast<double>(volt_bytes) / static_cast<double>(torch_bytes) << "}\n";
-  std::cout << "{\"bench\": \"checkpoint_save\", \"model\": \"quickstart\", \"rounds\": " << rounds
-            << ", \"volt_ms\": " << median(save_volt) << ", \"torch_save_ms\": " << median(save_torch)
+  std::cout << "{\"bench\": \"checkpoint_save\"" << volt_bench::blas_field()
+            << ", \"model\": \"quickstart\", \"rounds\": " << rounds << ", \"volt_ms\": " << median(save_volt)
+            << ", \"torch_save_ms\": " << median(save_torch)
             << ", \"ratio\": " << median(save_volt) / median(save_torch) << "}\n";
-  std::cout << "{\"bench\": \"checkpoint_read\", \"model\": \"quickstart\", \"rounds\": " << rounds
-            << ", \"volt_ms\": " << median(read_volt) << ", \"torch_load_ms\": " << median(read_torch)
+  std::cout << "{\"bench\": \"checkpoint_read\"" << volt_bench::blas_field()
+            << ", \"model\": \"quickstart\", \"rounds\": " << rounds << ", \"volt_ms\": " << median(read_volt)
+            << ", \"torch_load_ms\": " << median(read_torch)
             << ", \"ratio\": " << median(read_volt) / median(read_torch) << "}\n";
-  std::cout << "{\"bench\": \"checkpoint_write\", \"bytes\": " << bytes.size() << ", \"atomic_fsync_ms\": "
-            << median(atomic_write) << ", \"plain_write_ms\": " << median(plain_write)
-            << ", \"ratio\": " << median(atomic_write) / median(plain_write) << ", \"checksum_ms\": " << median(checksum)
-            << "}\n";
+  std::cout << "{\"bench\": \"checkpoint_write\"" << volt_bench::blas_field() << ", \"bytes\": " << bytes.size()
+            << ", \"atomic_fsync_ms\": " << median(atomic_write) << ", \"plain_write_ms\": " << median(plain_write)
+            << ", \"ratio\": " << median(atomic_write) / median(plain_write)
+            << ", \"checksum_ms\": " << median(checksum) << "}\n";
   return 0;
 }

@@ -1,14 +1,19 @@
 #pragma once
-// What the benchmarks share: the median of rounds, and the MLP (784-W-W-10 by default) of the loader and ZeRO benchmarks (each
-// derives it with its optimizer).
+// What the benchmarks share: the BLAS field of their JSON lines, the median of rounds, and the MLP (784-W-W-10 by
+// default) of the loader and ZeRO benchmarks (each derives it with its optimizer).
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace volt_bench {
+
+/// `,"blas":"<name>"`: the BLAS LibTorch's matrix products ran on (volt::blas_info()), a field of every JSON line,
+/// so that a CPU figure says whether it was measured on the reference BLAS.
+inline std::string blas_field() { return ",\"blas\":\"" + volt::blas_info().name + "\""; }
 
 /// The median (the mean of the middle two for an even count).
 inline double median(std::vector<double> v) {

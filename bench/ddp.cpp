@@ -82,7 +82,8 @@ int main(int argc, char** argv) {
     bool zero = false;
     const double s = seconds_per_step<volt::DDP<volt::Script>>(2, steps, warmup, &zero);
     if (zero) {
-      std::cout << "{\"bench\":\"ddp_two_rank\",\"impl\":\"volt\",\"world_size\":2,\"batch_per_rank\":64,\"steps\":" << steps
+      std::cout << "{\"bench\":\"ddp_two_rank\"" << volt_bench::blas_field()
+                << ",\"impl\":\"volt\",\"world_size\":2,\"batch_per_rank\":64,\"steps\":" << steps
                 << ",\"steps_per_s\":" << 1.0 / s << "}" << std::endl;
     }
     return 0;
@@ -95,9 +96,9 @@ int main(int argc, char** argv) {
     ddp.push_back(b);
     ratios.push_back(b / a);
   }
-  std::cout << "{\"bench\":\"ddp_world1_vs_single\",\"rounds\":" << rounds << ",\"steps\":" << steps
-            << ",\"single_ms\":" << 1e3 * median(single) << ",\"ddp_ms\":" << 1e3 * median(ddp)
-            << ",\"ratio\":" << median(ddp) / median(single) << ",\"median_round_ratio\":" << median(ratios) << "}"
-            << std::endl;
+  std::cout << "{\"bench\":\"ddp_world1_vs_single\"" << volt_bench::blas_field() << ",\"rounds\":" << rounds
+            << ",\"steps\":" << steps << ",\"single_ms\":" << 1e3 * median(single)
+            << ",\"ddp_ms\":" << 1e3 * median(ddp) << ",\"ratio\":" << median(ddp) / median(single)
+            << ",\"median_round_ratio\":" << median(ratios) << "}" << std::endl;
   return 0;
 }

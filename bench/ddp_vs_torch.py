@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch_blas import blas_name
 
 
 def run(rank, world, steps, warmup, port):
@@ -29,7 +30,8 @@ def run(rank, world, steps, warmup, port):
     took = time.perf_counter() - start
     if rank == 0:
         print(json.dumps({"bench": "ddp_two_rank", "impl": "torch_ddp_gloo", "torch": torch.__version__,
-                          "world_size": world, "batch_per_rank": 64, "steps": steps, "steps_per_s": steps / took}),
+                          "blas": blas_name(), "world_size": world, "batch_per_rank": 64, "steps": steps,
+                          "steps_per_s": steps / took}),
               flush=True)
     dist.destroy_process_group()
 

@@ -279,12 +279,12 @@ int main(int argc, char** argv) {
     std::map<std::string, double> m;
     for (const auto& [way, v] : rates) {
       m[way] = median(v);
-      std::cout << "{\"bench\":\"graph\",\"workload\":\"" << name << "\",\"way\":\"" << way
-                << "\",\"steps_per_s\":" << m[way] << ",\"rounds\":" << rounds << ",\"steps\":" << steps << levers.str() << "}"
-                << std::endl;
+      std::cout << "{\"bench\":\"graph\"" << volt_bench::blas_field() << ",\"workload\":\"" << name << "\",\"way\":\""
+                << way << "\",\"steps_per_s\":" << m[way] << ",\"rounds\":" << rounds << ",\"steps\":" << steps
+                << levers.str() << "}" << std::endl;
     }
-    std::cout << "{\"bench\":\"graph\",\"workload\":\"" << name << "\"" << levers.str()
-              << ",\"ratio_volt_graphed_to_hand_graphed\":" << m["volt_graphed"] / m["hand_graphed"]
+    std::cout << "{\"bench\":\"graph\"" << volt_bench::blas_field() << ",\"workload\":\"" << name << "\""
+              << levers.str() << ",\"ratio_volt_graphed_to_hand_graphed\":" << m["volt_graphed"] / m["hand_graphed"]
               << ",\"ratio_volt_fused_to_hand_fused\":" << m["volt_fused"] / m["hand_fused"]
               << ",\"ratio_volt_eager_to_hand_eager\":" << m["volt_eager"] / m["hand_eager"]
               << ",\"ratio_volt_graphed_to_hand_eager\":" << m["volt_graphed"] / m["hand_eager"] << "}" << std::endl;

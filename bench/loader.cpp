@@ -88,9 +88,10 @@ int throughput(int rounds, int64_t files, const fs::path& dir) {
   const double batches = static_cast<double>((files + 63) / 64);
   for (const int w : {0, 1, 2, 4}) {
     const double v = batches / median(volt_s[w]), t = batches / median(torch_s[w]);
-    std::cout << "{\"bench\":\"loader_throughput\",\"files\":" << files << ",\"num_workers\":" << w
-              << ",\"volt_batches_per_s\":" << v << ",\"torch_data_batches_per_s\":" << t << ",\"ratio\":" << v / t
-              << ",\"rounds\":" << rounds << ",\"intra_op_threads\":" << at::get_num_threads() << "}" << std::endl;
+    std::cout << "{\"bench\":\"loader_throughput\"" << volt_bench::blas_field() << ",\"files\":" << files
+              << ",\"num_workers\":" << w << ",\"volt_batches_per_s\":" << v << ",\"torch_data_batches_per_s\":" << t
+              << ",\"ratio\":" << v / t << ",\"rounds\":" << rounds << ",\"intra_op_threads\":" << at::get_num_threads()
+              << "}" << std::endl;
   }
   return 0;
 }
@@ -145,11 +146,11 @@ int overlap(int rounds, int64_t batches, double load_ms) {
     two.push_back(fit_seconds(l2, width));
   }
   const double L = median(load), S = median(step), E0 = median(sync), E2 = median(two);
-  std::cout << "{\"bench\":\"loader_overlap\",\"batches\":" << batches << ",\"mlp_width\":" << width
-            << ",\"load_s\":" << L << ",\"step_s\":" << S << ",\"epoch_0_workers_s\":" << E0
-            << ",\"epoch_2_workers_s\":" << E2 << ",\"sum_s\":" << L + S << ",\"max_s\":" << std::max(L, S)
-            << ",\"hidden_0_workers\":" << (L + S - E0) / L << ",\"hidden_2_workers\":" << (L + S - E2) / L
-            << ",\"rounds\":" << rounds << "}" << std::endl;
+  std::cout << "{\"bench\":\"loader_overlap\"" << volt_bench::blas_field() << ",\"batches\":" << batches
+            << ",\"mlp_width\":" << width << ",\"load_s\":" << L << ",\"step_s\":" << S
+            << ",\"epoch_0_workers_s\":" << E0 << ",\"epoch_2_workers_s\":" << E2 << ",\"sum_s\":" << L + S
+            << ",\"max_s\":" << std::max(L, S) << ",\"hidden_0_workers\":" << (L + S - E0) / L
+            << ",\"hidden_2_workers\":" << (L + S - E2) / L << ",\"rounds\":" << rounds << "}" << std::endl;
   return 0;
 }
 

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import torch
 from PIL import Image
+from torch_blas import blas_name
 
 
 class Pngs(torch.utils.data.Dataset):
@@ -56,7 +57,7 @@ def main():
     for w, s in seconds.items():
         print(json.dumps({"bench": "loader_throughput_pytorch", "files": len(data), "num_workers": w,
                           "pytorch_batches_per_s": batches / statistics.median(s), "rounds": rounds,
-                          "torch": torch.__version__}))
+                          "torch": torch.__version__, "blas": blas_name()}))
 
 
 if __name__ == "__main__":

@@ -123,9 +123,9 @@ int main(int argc, char** argv) {
         v.push_back(rate(vnet, *vopt, x, y, steps, whole));
         ratios.push_back(v.back() / t.back());
       }
-      std::cout << "{\"bench\":\"optim\",\"algorithm\":\"" << alg.name << "\",\"figure\":\""
-                << (whole ? "training_step" : "optimizer_step") << "\",\"device\":\"" << device_name
-                << "\",\"libtorch\":\"" << TORCH_VERSION
+      std::cout << "{\"bench\":\"optim\"" << volt_bench::blas_field() << ",\"algorithm\":\"" << alg.name
+                << "\",\"figure\":\"" << (whole ? "training_step" : "optimizer_step") << "\",\"device\":\""
+                << device_name << "\",\"libtorch\":\"" << TORCH_VERSION
                 << "\",\"fused\":" << (volt::optim::has_fused_kernels(device) ? "true" : "false")
                 << ",\"torch_steps_per_s\":" << median(t) << ",\"volt_steps_per_s\":" << median(v)
                 << ",\"ratio\":" << median(v) / median(t) << ",\"median_of_round_ratios\":" << median(ratios)

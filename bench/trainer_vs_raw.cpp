@@ -162,8 +162,9 @@ void run_case(const char* name, const Config& cfg, std::vector<Batch> batches) {
     ratios.push_back(b / a);
   }
   const double rm = median(raw_ms), vm = median(volt_ms);
-  std::cout << "{\"bench\":\"trainer_vs_raw\",\"case\":\"" << name << "\",\"precision\":\"" << P::name
-            << "\",\"device\":\"" << A::name << "\",\"threads\":" << at::get_num_threads() << ",\"rounds\":" << cfg.rounds
+  std::cout << "{\"bench\":\"trainer_vs_raw\"" << volt_bench::blas_field() << ",\"case\":\"" << name
+            << "\",\"precision\":\"" << P::name << "\",\"device\":\"" << A::name
+            << "\",\"threads\":" << at::get_num_threads() << ",\"rounds\":" << cfg.rounds
             << ",\"steps\":" << batches.size() << ",\"raw_ms_per_step\":" << rm << ",\"trainer_ms_per_step\":" << vm
             << ",\"ratio\":" << vm / rm << ",\"median_of_round_ratios\":" << median(ratios) << "}" << std::endl;
 }

@@ -153,17 +153,17 @@ int main(int argc, char** argv) {
     med[name] = {pick(&Figures::seconds_per_step), pick(&Figures::state_bytes), pick(&Figures::grad_bytes),
                  pick(&Figures::peak_bytes), pick(&Figures::growth_bytes)};
     const Figures& m = med[name];
-    std::cout << "{\"bench\":\"zero\",\"strategy\":\"" << name << "\",\"world_size\":" << devices
-              << ",\"parameters\":" << parameters << ",\"bucket_mb\":" << c.bucket_mb << ",\"rounds\":" << rounds
-              << ",\"steps\":" << c.steps
-              << ",\"steps_per_s\":" << 1.0 / m.seconds_per_step << ",\"optimizer_state_bytes\":" << m.state_bytes
-              << ",\"gradient_bytes\":" << m.grad_bytes << ",\"peak_rss_bytes\":" << m.peak_bytes
-              << ",\"peak_growth_bytes\":" << m.growth_bytes << "}" << std::endl;
+    std::cout << "{\"bench\":\"zero\"" << volt_bench::blas_field() << ",\"strategy\":\"" << name
+              << "\",\"world_size\":" << devices << ",\"parameters\":" << parameters << ",\"bucket_mb\":" << c.bucket_mb
+              << ",\"rounds\":" << rounds << ",\"steps\":" << c.steps << ",\"steps_per_s\":" << 1.0 / m.seconds_per_step
+              << ",\"optimizer_state_bytes\":" << m.state_bytes << ",\"gradient_bytes\":" << m.grad_bytes
+              << ",\"peak_rss_bytes\":" << m.peak_bytes << ",\"peak_growth_bytes\":" << m.growth_bytes << "}"
+              << std::endl;
   }
   for (const char* name : {"ZeRO<1>", "ZeRO<2>"}) {
     const Figures &z = med[name], &d = med["DDP"];
-    std::cout << "{\"bench\":\"zero_vs_ddp\",\"strategy\":\"" << name << "\",\"world_size\":" << devices
-              << ",\"parameters\":" << parameters << ",\"bucket_mb\":" << c.bucket_mb
+    std::cout << "{\"bench\":\"zero_vs_ddp\"" << volt_bench::blas_field() << ",\"strategy\":\"" << name
+              << "\",\"world_size\":" << devices << ",\"parameters\":" << parameters << ",\"bucket_mb\":" << c.bucket_mb
               << ",\"state_bytes_ratio\":" << z.state_bytes / d.state_bytes
               << ",\"gradient_bytes_ratio\":" << z.grad_bytes / d.grad_bytes
               << ",\"peak_rss_ratio\":" << z.peak_bytes / d.peak_bytes

@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Installs what volt needs from Debian 12's packages, if it is missing. Runs as root without prompts
 # (or through sudo when not root). `--tests` adds what only the test suite needs: Python's torch, which
-# reads volt's checkpoints in one test. `--fuzz` adds clang and libFuzzer (scripts/fuzz.sh).
+# reads volt's checkpoints in one test, and the reference BLAS, which one test runs a fit on. `--fuzz` adds
+# clang and libFuzzer (scripts/fuzz.sh).
+#
+# libopenblas0-openmp: Debian's libtorch-dev does its matrix products (linear layers, matmul, im2col convolutions)
+# through the `libblas.so.3` alternative, which with nothing else installed is the reference BLAS (libblas3,
+# unoptimised Fortran, 10-15x slower on an MLP's step). OpenBLAS registers itself as that alternative with a higher
+# priority. Its OpenMP build runs on the same OpenMP runtime as LibTorch (libgomp), so a product called inside one of
+# LibTorch's parallel regions does not start a second team of threads (the pthread build would oversubscribe).
 set -euo pipefail
-packages=(g++ make cmake libtorch-dev libboost-mpi-dev openmpi-bin catch2 zlib1g-dev libpng-dev dataset-fashion-mnist)
+packages=(g++ make cmake libtorch-dev libopenblas0-openmp libboost-mpi-dev openmpi-bin catch2 zlib1g-dev libpng-dev
+          dataset-fashion-mnist)
 case "${1:-}" in
-  --tests) packages+=(python3 python3-torch) ;;
+  --tests) packages+=(python3 python3-torch libblas3) ;;  # libblas3: a test forces the reference BLAS to see the notice
   --fuzz) packages+=(clang libfuzzer-14-dev) ;;  # scripts/fuzz.sh: clang's libFuzzer and sanitizers
 esac
 missing=()

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 // ---- the C++ runtime ----------------------------------------------------------------------------------
 
@@ -28,6 +29,143 @@ TEST_CASE("std::filesystem calls reach the C++ runtime, not a copy inside LibTor
   std::ofstream(dir / "a" / "b" / "f") << "x";
   CHECK(std::filesystem::remove_all(dir) == 4);
   CHECK_FALSE(std::filesystem::exists(dir));
+}
+
+// ---- what makes a CPU run slow ---------------------------------------------------------------------------
+
+namespace {
+/// A process of this job on a host of `cores` cores without hyper-threads, nothing bound, no quota.
+volt::detail::CpuView plain_host(int threads, int cores, int ranks = 1) {
+  volt::detail::CpuView v;
+  v.threads = threads;
+  v.affinity = v.affinity_cores = v.host = v.host_cores = cores;
+  v.ranks = ranks;
+  return v;
+}
+
+/// Runs this test program's `[.cpu_notices_child]` with `env` set ("NAME=value ..."); its stdout and stderr.
+std::string run_notices_child(const std::string& env) {
+  const std::string cmd = env + " '" + fs::read_symlink("/proc/self/exe").string() + "' '[.cpu_notices_child]' 2>&1";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), pipe)) out.append(buf, n);
+  INFO(cmd << "\n" << out);
+  REQUIRE(::pclose(pipe) == 0);
+  return out;
+}
+
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+}  // namespace
+
+TEST_CASE("CPU thread findings: known answers for threads, binding, ranks and quotas", "[unit]") {
+  using volt::detail::thread_findings;
+  CHECK(thread_findings(plain_host(2, 2)).empty());
+  CHECK(thread_findings(plain_host(16, 16)).empty());
+  // one thread where 2 cores are free (OMP_NUM_THREADS=1, or LibTorch's own count reading low)
+  auto one = plain_host(1, 2);
+  one.omp_num_threads = "1";
+  auto said = thread_findings(one);
+  REQUIRE(said.size() == 1);
+  CHECK_THAT(said[0], Contains("1 intra-op thread while this process has 2 cores") &&
+                          Contains("OMP_NUM_THREADS=1 is set") && Contains("Set OMP_NUM_THREADS=2"));
+  CHECK(thread_findings(plain_host(3, 4)).empty());  // 3 of 4: not half
+  // 8 cores with 2 hyper-threads each: LibTorch's 8 threads are right, 16 are not too many
+  auto smt = plain_host(8, 16);
+  smt.affinity_cores = smt.host_cores = 8;
+  CHECK(thread_findings(smt).empty());
+  smt.threads = 16;
+  CHECK(thread_findings(smt).empty());
+  // mpirun -np 1 on 16 cores: bound to one core
+  auto bound = plain_host(1, 16);
+  bound.affinity = bound.affinity_cores = 1;
+  said = thread_findings(bound);
+  REQUIRE(said.size() == 1);
+  CHECK_THAT(said[0], Contains("1 core only") && Contains("--bind-to none") && Contains("PE=16"));
+  // 2 ranks on 2 cores, each bound to its own: right; each unbound with 2 threads: 4 threads on 2 CPUs
+  auto pair = plain_host(1, 2, 2);
+  pair.affinity = pair.affinity_cores = 1;
+  CHECK(thread_findings(pair).empty());
+  said = thread_findings(plain_host(2, 2, 2));
+  REQUIRE(said.size() == 1);
+  CHECK_THAT(said[0], Contains("2 intra-op threads per process where each may have 1 CPU") &&
+                          Contains("for 2 ranks") && Contains("OMP_NUM_THREADS=1 for each rank"));
+  // 8 ranks on 64 cores, unbound, 8 threads each: right
+  CHECK(thread_findings(plain_host(8, 64, 8)).empty());
+  // a container's quota of 2 CPUs on a 64-core host, LibTorch running 64 threads
+  auto quota = plain_host(64, 64);
+  quota.quota = 2;
+  said = thread_findings(quota);
+  REQUIRE(said.size() == 1);
+  CHECK_THAT(said[0], Contains("may have 2 CPUs") && Contains("cpu.max") && Contains("OMP_NUM_THREADS=2"));
+  quota.threads = 2;
+  CHECK(thread_findings(quota).empty());
+}
+
+TEST_CASE("CPU lists in the kernel's format", "[unit]") {
+  CHECK(volt::detail::parse_cpu_list("0-3,8,10-11\n") == std::vector<int>{0, 1, 2, 3, 8, 10, 11});
+  CHECK(volt::detail::parse_cpu_list("5") == std::vector<int>{5});
+  CHECK(volt::detail::parse_cpu_list("3-1").empty());
+  CHECK(volt::detail::parse_cpu_list("max").empty());
+}
+
+// Two fits in one process, then the BLAS files the process has mapped (the kernel's list, not volt's finding).
+TEST_CASE("two fits, then the BLAS files this process has mapped", "[.cpu_notices_child]") {
+  auto [x, y] = vt::regression_data(32);
+  for (int fit = 0; fit < 2; ++fit) {
+    vt::Regressor m;
+    auto loader = make_loader(x, y, 16);
+    volt::Trainer<volt::SingleDevice, volt::Fp32, volt::CPU> trainer(
+        volt::TrainerOptions{.max_epochs = 1});
+    trainer.fit(*m, loader);
+  }
+  std::ifstream maps("/proc/self/maps");
+  std::set<std::string> files;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("blas") != std::string::npos) files.insert(line.substr(line.find('/')));
+  }
+  for (const auto& f : files) std::cout << "mapped: " << f << "\n";
+}
+
+// Debian's LibTorch multiplies through libblas.so.3: forced to netlib's reference BLAS, a fit says so once per
+// process; forced to OpenBLAS, never. pip's LibTorch (MKL inside) maps no libblas and is never warned about.
+TEST_CASE("a fit says once that LibTorch runs on the reference BLAS, and never on OpenBLAS", "[unit]") {
+  const std::string lib = "/usr/lib/x86_64-linux-gnu/";
+  const std::string notice = "on the reference BLAS";
+  const std::string reference = run_notices_child("LD_LIBRARY_PATH=" + lib + "blas");
+  const bool reference_mapped = reference.find("/blas/libblas.so") != std::string::npos;
+#if TORCH_VERSION_MAJOR < 2  // Debian's libtorch-dev; scripts/install-deps.sh --tests installs both libraries
+  REQUIRE(fs::exists(lib + "blas/libblas.so.3"));
+  REQUIRE(fs::exists(lib + "openblas-openmp/libblas.so.3"));
+  REQUIRE(reference_mapped);
+#endif
+  INFO(reference);
+  CHECK(count_of(reference, notice) == (reference_mapped ? 1u : 0u));
+  if (reference_mapped) CHECK_THAT(reference, Contains("apt-get install libopenblas0-openmp"));
+  const std::string openblas = run_notices_child("LD_LIBRARY_PATH=" + lib + "openblas-openmp");
+  INFO(openblas);
+  CHECK(count_of(openblas, notice) == 0);
+  CHECK(count_of(openblas, "mapped: " + lib + "blas/") == 0);
+}
+
+TEST_CASE("a fit says once that OMP_NUM_THREADS=1 leaves cores idle", "[unit]") {
+  const auto v = volt::detail::read_cpu_view(1);
+  if (std::min(v.affinity_cores, v.host_cores) < 2) {
+    WARN("this process may use " << v.affinity_cores << " core(s): nothing to leave idle, not checked");
+    return;
+  }
+  const std::string out = run_notices_child("OMP_NUM_THREADS=1");
+  INFO(out);
+  CHECK(count_of(out, "LibTorch runs 1 intra-op thread while") == 1);
+  CHECK(count_of(out, "OMP_NUM_THREADS=1 is set in the environment") == 1);
+  const std::string full = run_notices_child("OMP_NUM_THREADS=" + std::to_string(v.affinity_cores));
+  INFO(full);
+  CHECK(count_of(full, "intra-op thread") == 0);
 }
 
 // ---- concept truth tables ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 /// | `static int device_count()` | how many devices this process sees |
 /// | `static torch::Device device(int local_rank)` | the device a local rank uses |
 /// | `static void synchronize(torch::Device)` | wait for queued work on that device (timings) |
+/// | `static std::vector<std::string> slow_settings(int ranks_on_host)` (optional) | sentences on what makes a fit here much slower than it should be (the CPU's: accelerators/cpu_speed.hpp); the first rank of each host says them once per process, when its first run (fit, validate, test, predict) sets up |
 /// | `using graph_type` (optional) | how `Graphed<A>` captures and replays steps (accelerators/graphed.hpp); absent: `Graphed<A>` is refused |
 ///
 /// Writing your own: a struct with these members; the Trainer's rules read only the flags, never the type.

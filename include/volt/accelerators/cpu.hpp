@@ -1,8 +1,12 @@
 #pragma once
 
 #include "volt/accelerators/concept.hpp"
+#include "volt/accelerators/cpu_speed.hpp"
 
 #include <c10/core/Device.h>
+
+#include <string>
+#include <vector>
 
 namespace volt {
 
@@ -19,6 +23,8 @@ struct CPU {
   static int device_count() { return 1 << 20; }
   static c10::Device device(int /*local_rank*/) { return c10::Device(c10::DeviceType::CPU); }
   static void synchronize(c10::Device /*device*/) {}
+  /// What makes a fit on this host much slower than it should be: the reference BLAS, too few or too many threads.
+  static std::vector<std::string> slow_settings(int ranks_on_host) { return cpu_slow_settings(ranks_on_host); }
 };
 
 }  // namespace volt

@@ -8,7 +8,11 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/utils.h>
 
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdlib>
+#include <iostream>
 #include <typeinfo>
 
 namespace volt {
@@ -22,6 +26,25 @@ int64_t batch_size_of(const void* batch) {
     return infer_batch_size(*static_cast<const B*>(batch));
   } else {
     return -1;
+  }
+}
+
+/// The first run of this process (a fit, or a validate, test or predict before any) says what makes accelerator `A`
+/// on this host much slower than it should be (its optional `slow_settings`: accelerators/concept.hpp), from the
+/// host's first rank only, naming the host when the job spans several.
+template <class A>
+void say_slow_settings_once(int local_rank, int ranks_on_host, bool several_hosts) {
+  if constexpr (requires { A::slow_settings(1); }) {
+    static std::atomic<bool> said{false};
+    if (local_rank != 0 || said.exchange(true)) return;
+    std::string who = "volt: ";
+    if (several_hosts) {
+      char host[256] = {};
+      ::gethostname(host, sizeof(host) - 1);
+      who = std::string("volt (") + host + "): ";
+    }
+    for (const std::string& sentence : A::slow_settings(ranks_on_host)) std::cerr << who << sentence << "\n";
+    std::cerr << std::flush;
   }
 }
 
@@ -69,7 +92,8 @@ void Trainer<S, P, A, Cs...>::apply_fast_dev_run() {
   max_epochs_ = options_.max_epochs.value_or(options_.max_steps == -1 ? 1000 : -1);
 }
 
-/// Phase (c): seeds, determinism, the strategy's environment and the module's placement and precision.
+/// Phase (c): seeds, determinism, the strategy's environment (and what would make it slow, said once), the module's
+/// placement and precision.
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::setup_run(torch::nn::Module& module) {
   if (options_.seed) torch::manual_seed(*options_.seed);
@@ -81,6 +105,8 @@ void Trainer<S, P, A, Cs...>::setup_run(torch::nn::Module& module) {
   }
   if (options_.benchmark) at::globalContext().setBenchmarkCuDNN(*options_.benchmark);
   strategy_.setup_environment(accelerator_type::device(strategy_.local_rank()));
+  detail::say_slow_settings_once<accelerator_type>(
+      strategy_.local_rank(), std::max(1, strategy_.world_size() / options_.num_nodes), options_.num_nodes > 1);
   state_.device = strategy_.root_device();
   state_.global_rank = strategy_.global_rank();
   state_.world_size = strategy_.world_size();

@@ -14,6 +14,9 @@ def blas_name():
     blas = [f for f in files if f.rsplit("/", 1)[-1].startswith("libblas.so")]
     if not blas:
         return "none"
+    for variant, name in (("openblas-openmp", "OpenMP"), ("openblas-pthread", "pthreads"), ("openblas-serial", "serial")):
+        if any(variant in f for f in blas):
+            return f"OpenBLAS ({name})"
     if any("openblas" in f for f in blas):
         return "OpenBLAS"
     if any(f.rsplit("/", 2)[-2] == "blas" for f in blas):

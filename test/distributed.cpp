@@ -25,6 +25,7 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -858,6 +859,55 @@ struct Mode {
   const char* arguments;
   int (*run)(const std::vector<std::string>& a);  // a[0] is the name
 };
+/// The CPUs this process may run on (its affinity), read from the kernel.
+int affinity_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  return ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : -1;
+}
+
+/// What a started process found wrong with its placement, said from inside the fit (a rank that throws there ends
+/// the job, where an exit status after fit would not reach the launching process).
+struct PlacementNetImpl : PredictNetImpl {
+  std::string problem;
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    if (!problem.empty()) throw std::runtime_error("MISMATCH: " + problem);
+    return PredictNetImpl::training_step(b, ctx);
+  }
+};
+TORCH_MODULE(PlacementNet);
+
+/// The processes volt starts (Script's copies, Spawn's workers) are not bound to cores: each may run on every CPU the
+/// launching process may (Open MPI would bind each to one core). Unless OMP_NUM_THREADS was set for the job
+/// (`want_threads` > 0: that value must reach them), each is told its share of the cores in intra-op threads:
+/// the ranks' threads together neither exceed the launching process's CPUs nor fall below half of them (a core may
+/// hold 2 hyper-threads), and each runs at least 1.
+template <class L>
+int placement_scenario(int want_threads) {
+  PlacementNet net;
+  const char* role = std::getenv("VOLT_LAUNCH_ROLE");
+  if (role == nullptr) {  // the launching process: before MPI starts, so the processes it starts see this
+    ::setenv("VOLT_TEST_LAUNCHER_CPUS", std::to_string(affinity_count()).c_str(), 1);
+  } else {
+    const int launcher_cpus = std::stoi(std::getenv("VOLT_TEST_LAUNCHER_CPUS"));
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    const int threads = omp != nullptr ? std::stoi(omp) : 0;
+    const bool ok = want_threads > 0 ? threads == want_threads
+                                     : threads >= std::max(1, launcher_cpus / 2 / kWorld) &&
+                                           threads * kWorld <= std::max(kWorld, launcher_cpus);
+    if (affinity_count() != launcher_cpus || !ok) {
+      net->problem = std::string("a ") + role + " copy may run on " + std::to_string(affinity_count()) +
+                     " CPUs (the launching process on " + std::to_string(launcher_cpus) + ") with OMP_NUM_THREADS=" +
+                     (omp != nullptr ? omp : "(unset)") + " for " + std::to_string(kWorld) + " ranks" +
+                     (want_threads > 0 ? " (the job's: " + std::to_string(want_threads) + ")" : "");
+    }
+  }
+  auto x = torch::randn({16, 4}), y = torch::randn({16, 1});
+  volt::Trainer<volt::DDP<L>> trainer({.devices = kWorld, .max_epochs = 1});
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = 4}));
+  return 0;
+}
+
 bool spawn_given(const std::vector<std::string>& a) { return a.size() > 1 && a[1] == "spawn"; }
 const Mode kModes[] = {
     {"fit",
@@ -884,6 +934,12 @@ const Mode kModes[] = {
                "one process's hand-written loop",
      [](const std::vector<std::string>& a) {
        return spawn_given(a) ? manual_scenario<volt::Spawn>() : manual_scenario<volt::Script>();
+     }},
+    {"placement", "<script|spawn> [threads]: the started processes are not bound to cores and run their share of "
+                  "them in threads (threads: the OMP_NUM_THREADS the job set, which must reach them)",
+     [](const std::vector<std::string>& a) {
+       const int want = a.size() > 2 ? std::stoi(a[2]) : 0;
+       return spawn_given(a) ? placement_scenario<volt::Spawn>(want) : placement_scenario<volt::Script>(want);
      }},
     {"indices", "<script|spawn> n: every sample once per epoch across ranks (padded as DistributedSampler)",
      [](const std::vector<std::string>& a) {

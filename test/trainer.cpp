@@ -738,9 +738,9 @@ TEST_CASE("max_time: the fit stops at a batch boundary with a checkpoint, return
   const int64_t stopped = t.global_step();
   CHECK(stopped >= 1);
   CHECK(stopped < 30);
-  CHECK_THAT(err.str(), StartsWith("volt: max_time (00:00) reached; stopped at epoch " +
-                                   std::to_string(t.current_epoch()) + ", step " + std::to_string(stopped) +
-                                   " and saved " + path + " (resume with fit(..., \"" + path + "\"))."));
+  CHECK_THAT(err.str(), Contains("volt: max_time (00:00) reached; stopped at epoch " +
+                                 std::to_string(t.current_epoch()) + ", step " + std::to_string(stopped) +
+                                 " and saved " + path + " (resume with fit(..., \"" + path + "\"))."));
   const auto loops = volt::checkpoint::read(path).at("loops").toGenericDict();
   CHECK(loops.at("global_step").toInt() == stopped);
   CHECK(loops.at("time_elapsed").toDouble() >= 0.3);

@@ -4,6 +4,7 @@
 /// of: this process's place (`Processes`), the role a launcher gave it (`VOLT_LAUNCH_ROLE`), running a body as a
 /// rank so that a failure reaches the other ranks, and starting copies of this program (`MPI_Comm_spawn`).
 
+#include "volt/cluster/cpus.hpp"
 #include "volt/cluster/environment.hpp"
 #include "volt/cluster/signals.hpp"
 #include "volt/comm/runtime.hpp"
@@ -84,16 +85,23 @@ inline std::pair<std::string, std::vector<std::string>> own_command_line() {
 inline void allow_oversubscription() { ::setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", /*overwrite=*/0); }
 
 /// Starts `count` copies of this program with the same arguments (MPI_Comm_spawn, from this process
-/// alone) and returns the intercommunicator to them. The copies see `VOLT_LAUNCH_ROLE=role`.
-inline MPI_Comm spawn_copies(int count, const char* role) {
+/// alone) and returns the intercommunicator to them. The copies see `VOLT_LAUNCH_ROLE=role` and, unless the
+/// environment sets OMP_NUM_THREADS, `OMP_NUM_THREADS` of their share of this host's cores among the `ranks_on_host`
+/// processes that train (cluster/cpus.hpp). They are not bound to cores (Open MPI would bind each to one, the same one
+/// for every copy started alone) unless OMPI_MCA_hwloc_base_binding_policy asks for a binding.
+inline MPI_Comm spawn_copies(int count, const char* role, int ranks_on_host) {
   auto [exe, args] = own_command_line();
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   MPI_Info info;
   MPI_Info_create(&info);
-  const std::string env = std::string(kRoleVariable) + "=" + role;
-  MPI_Info_set(info, "env", env.c_str());
+  std::string env = std::string(kRoleVariable) + "=" + role;
+  if (const auto threads = threads_per_started_rank(ranks_on_host)) {
+    env += "\nOMP_NUM_THREADS=" + std::to_string(*threads);
+  }
+  MPI_Info_set(info, "env", env.c_str());  // newline-separated NAME=value pairs
+  if (std::getenv("OMPI_MCA_hwloc_base_binding_policy") == nullptr) MPI_Info_set(info, "bind_to", "none");
   MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
   MPI_Comm inter = MPI_COMM_NULL;
   std::vector<int> codes(static_cast<std::size_t>(count), MPI_SUCCESS);

@@ -5,11 +5,14 @@
 ///    agree with `devices × num_nodes`.
 ///  - Started plainly with `devices = N > 1`, the process starts the other N-1 copies of itself with the same
 ///    arguments (Open MPI's `MPI_Comm_spawn`) and is rank 0; the copies are ranks 1..N-1. One machine only:
-///    for `num_nodes > 1`, use mpirun or srun.
+///    for `num_nodes > 1`, use mpirun or srun. Unless OMP_NUM_THREADS is set, each of the N runs its share of the
+///    cores in intra-op threads (rank 0 through `at::set_num_threads`); none is bound to cores.
 /// The job is made once per process and serves every later run (fit, validate, test, predict).
 
 #include "volt/cluster/environment.hpp"
 #include "volt/launchers/concept.hpp"
+
+#include <ATen/Parallel.h>
 
 #include <memory>
 #include <string>
@@ -89,7 +92,8 @@ class Script {
       group = new detail::MpiGroup(MPI_COMM_SELF, 0, 0);
       return *group;
     }
-    MPI_Comm inter = detail::spawn_copies(wanted - 1, "script");
+    if (const auto threads = detail::threads_per_started_rank(wanted)) at::set_num_threads(*threads);  // rank 0's share
+    MPI_Comm inter = detail::spawn_copies(wanted - 1, "script", wanted);
     MPI_Comm merged;
     detail::mpi_check(MPI_Intercomm_merge(inter, /*high=*/0, &merged), "MPI_Intercomm_merge");
     runtime.disconnect_at_exit(inter);

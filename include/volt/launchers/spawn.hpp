@@ -12,6 +12,8 @@
 ///  - `fit` may be called once per process with Spawn (a second call would repeat the first in the workers),
 ///    and not inside an mpirun/srun job (each process would start its own workers): both throw.
 ///  - `validate`, `test` and `predict` run in the calling process as a world of one.
+///  - Unless OMP_NUM_THREADS is set, each worker runs its share of the cores (the cores over `devices`) in
+///    intra-op threads; workers are not bound to cores.
 ///  - A worker that fails ends the others; `fit` throws `volt::RankFailure` with its message in the main process.
 ///  - A stop signal (SignalOptions) sent to the main process is forwarded to the workers; they checkpoint and
 ///    tell the main process, which then ends as they do (exit status 128 + the signal). One sent to a worker
@@ -141,7 +143,7 @@ class Spawn {
     runtime.ensure_initialized();
     cluster::SignalScope signals(spec.signals);  // forwarded to the workers, who stop and checkpoint
     int forwarded = 0;
-    MPI_Comm workers = detail::spawn_copies(spec.devices, "spawn");
+    MPI_Comm workers = detail::spawn_copies(spec.devices, "spawn", spec.devices);
 
     std::vector<int> pids(static_cast<std::size_t>(spec.devices), 0);
     std::string result;

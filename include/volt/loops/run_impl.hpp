@@ -32,11 +32,11 @@ int64_t batch_size_of(const void* batch) {
 /// The first run of this process (a fit, or a validate, test or predict before any) says what makes accelerator `A`
 /// on this host much slower than it should be (its optional `slow_settings`: accelerators/concept.hpp), from the
 /// host's first rank only, naming the host when the job spans several.
+inline std::atomic<bool> said_slow_settings{false};  ///< once per process, whatever the Trainer types
 template <class A>
 void say_slow_settings_once(int local_rank, int ranks_on_host, bool several_hosts) {
   if constexpr (requires { A::slow_settings(1); }) {
-    static std::atomic<bool> said{false};
-    if (local_rank != 0 || said.exchange(true)) return;
+    if (local_rank != 0 || said_slow_settings.exchange(true)) return;
     std::string who = "volt: ";
     if (several_hosts) {
       char host[256] = {};

@@ -8,7 +8,7 @@
 ///
 /// | finding | when | what it costs |
 /// |---|---|---|
-/// | the reference BLAS | `sgemm_` comes from netlib's `libblas.so.3` (Debian's `libblas3`) | 14x on an MLP's Fp32 step |
+/// | the reference BLAS | `sgemm_` comes from netlib's `libblas.so.3` (Debian's `libblas3`) | 15x on an MLP's Fp32 step |
 /// | bound to few cores | the affinity covers at most half of the rank's share (not said in a SLURM job) | idle cores |
 /// | too few threads | intra-op threads at most half of the cores the rank may use (its share, its affinity) | idle cores |
 /// | oversubscribed | more threads than the logical CPUs a rank can have (affinity, share) | OpenMP teams spin |
@@ -192,7 +192,7 @@ inline std::vector<std::string> blas_findings(const BlasInfo& blas) {
   if (!blas.reference()) return {};
   return {"LibTorch does its matrix products (linear layers, matmul, convolutions not run by oneDNN) on the reference "
           "BLAS (" + blas.library + "), unoptimised Fortran: they run 10-15x slower than with an optimised one (an "
-          "MLP's step 14x, a small CNN's epoch 2x). On Debian or Ubuntu: apt-get install libopenblas0-openmp, which "
+          "MLP's step 15x, the quick start's epoch 3x). On Debian or Ubuntu: apt-get install libopenblas0-openmp, which "
           "takes over libblas.so.3 for every program (update-alternatives --config libblas.so.3-x86_64-linux-gnu "
           "where the alternative was set by hand)."};
 }

@@ -14,7 +14,8 @@ def blas_name():
     blas = [f for f in files if f.rsplit("/", 1)[-1].startswith("libblas.so")]
     if not blas:
         return "none"
-    for variant, name in (("openblas-openmp", "OpenMP"), ("openblas-pthread", "pthreads"), ("openblas-serial", "serial")):
+    variants = (("openblas-openmp", "OpenMP"), ("openblas-pthread", "pthreads"), ("openblas-serial", "serial"))
+    for variant, name in variants:
         if any(variant in f for f in blas):
             return f"OpenBLAS ({name})"
     if any("openblas" in f for f in blas):

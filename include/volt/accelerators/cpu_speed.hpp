@@ -126,13 +126,11 @@ struct CpuView {
 inline CpuView read_cpu_view(int ranks) {
   CpuView v;
   v.threads = at::get_num_threads();
-  const std::vector<int> host = host_cpus();
-  std::vector<int> mine = affinity_cpus();
-  if (mine.empty()) mine = host;
-  v.host = std::max<int>(1, static_cast<int>(host.size()));
-  v.host_cores = std::max(1, count_cores(host));
-  v.affinity = std::min(v.host, std::max<int>(1, static_cast<int>(mine.size())));
-  v.affinity_cores = std::min(v.host_cores, std::max(1, count_cores(mine)));
+  const HostCpus cpus = read_host_cpus();
+  v.host = std::max<int>(1, static_cast<int>(cpus.host.size()));
+  v.host_cores = std::max(1, count_cores(cpus.host));
+  v.affinity = std::max<int>(1, static_cast<int>(cpus.mine.size()));
+  v.affinity_cores = std::max(1, count_cores(cpus.mine));
   v.quota = cgroup_cpu_quota();
   v.ranks = std::max(1, ranks);
   if (const char* omp = std::getenv("OMP_NUM_THREADS")) v.omp_num_threads = omp;

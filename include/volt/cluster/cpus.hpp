@@ -56,12 +56,12 @@ inline std::string first_line(const std::filesystem::path& file) {
   return line;
 }
 
-/// How many physical cores the CPUs sit on (hyper-threads of one core count once), from sysfs' topology under
-/// `root`; each CPU counts as a core where that is unreadable.
-inline int count_cores(const std::vector<int>& cpus, const std::filesystem::path& root = "/") {
+/// How many physical cores the CPUs sit on (hyper-threads of one core count once), from sysfs' topology; each CPU
+/// counts as a core where that is unreadable.
+inline int count_cores(const std::vector<int>& cpus) {
   std::vector<std::string> cores;
   for (int c : cpus) {
-    const auto dir = root / "sys/devices/system/cpu" / ("cpu" + std::to_string(c)) / "topology";
+    const auto dir = std::filesystem::path("/sys/devices/system/cpu") / ("cpu" + std::to_string(c)) / "topology";
     const std::string core = first_line(dir / "core_id"), package = first_line(dir / "physical_package_id");
     cores.push_back(core.empty() ? "cpu" + std::to_string(c) : package + ":" + core);
   }
@@ -137,28 +137,32 @@ inline std::optional<int> cgroup_cpu_quota(const std::filesystem::path& root = "
   return quota;
 }
 
-/// The CPUs this process may run on (`sched_getaffinity`); empty when that cannot be read.
-inline std::vector<int> affinity_cpus() {
-  std::vector<int> mine;
+/// The CPUs of this host the job may use (`host`: host_cpus()) and those of them this process may run on (`mine`: its
+/// affinity within `host`; all of `host` where the affinity cannot be read).
+struct HostCpus {
+  std::vector<int> host, mine;
+};
+
+inline HostCpus read_host_cpus() {
+  HostCpus h{host_cpus(), {}};
   cpu_set_t set;
   CPU_ZERO(&set);
   if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if (CPU_ISSET(c, &set)) mine.push_back(c);
+    for (int c : h.host) {
+      if (c < CPU_SETSIZE && CPU_ISSET(c, &set)) h.mine.push_back(c);
     }
   }
-  return mine;
+  if (h.mine.empty()) h.mine = h.host;
+  return h;
 }
 
 /// The intra-op threads each of `ranks` processes that volt starts on this host should run: the cores this process
-/// may use (its affinity within the job's cpuset, capped by the cgroup's quota) over the ranks, at least 1; nullopt
-/// when OMP_NUM_THREADS is set, which is the user's to choose. As torchrun, which sets OMP_NUM_THREADS for the
-/// processes it starts; here each gets its share rather than 1.
+/// may use (read_host_cpus().mine, which the processes it starts inherit; capped by the cgroup's quota) over the
+/// ranks, at least 1; nullopt when OMP_NUM_THREADS is set, which is the user's to choose. As torchrun, which sets
+/// OMP_NUM_THREADS for the processes it starts; here each gets its share rather than 1.
 inline std::optional<int> threads_per_started_rank(int ranks) {
   if (std::getenv("OMP_NUM_THREADS") != nullptr) return std::nullopt;
-  std::vector<int> mine = affinity_cpus(), host = host_cpus();
-  std::erase_if(mine, [&](int c) { return std::find(host.begin(), host.end(), c) == host.end(); });
-  int cores = count_cores(mine.empty() ? host : mine);
+  int cores = count_cores(read_host_cpus().mine);
   if (const auto quota = cgroup_cpu_quota()) cores = std::min(cores, *quota);
   return std::max(1, cores / std::max(1, ranks));
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what volt needs from Debian 12's packages, if it is missing. Runs as root without prompts
 # (or through sudo when not root). `--tests` adds what only the test suite needs: Python's torch, which
-# reads volt's checkpoints in one test, and the reference BLAS, which one test runs a fit on. `--fuzz` adds
-# clang and libFuzzer (scripts/fuzz.sh).
+# reads volt's checkpoints in one test, the reference BLAS, which one test runs a fit on, and SLURM with munge and
+# iproute2, which the cluster tests run their emulated hosts on (test/cluster/). `--fuzz` adds clang and libFuzzer
+# (scripts/fuzz.sh).
 #
 # libopenblas0-openmp: Debian's libtorch-dev does its matrix products (linear layers, matmul, im2col convolutions)
 # through the `libblas.so.3` alternative, which with nothing else installed is the reference BLAS (libblas3,
@@ -13,7 +14,9 @@ set -euo pipefail
 packages=(g++ make cmake libtorch-dev libopenblas0-openmp libboost-mpi-dev openmpi-bin catch2 zlib1g-dev libpng-dev
           dataset-fashion-mnist)
 case "${1:-}" in
-  --tests) packages+=(python3 python3-torch libblas3) ;;  # libblas3: a test forces the reference BLAS to see the notice
+  # libblas3: a test forces the reference BLAS to see the notice; SLURM's daemons and commands, munge, iproute2 (ip
+  # netns) and util-linux (unshare, nsenter): the cluster of emulated hosts
+  --tests) packages+=(python3 python3-torch libblas3 slurmctld slurmd slurm-client munge iproute2 util-linux) ;;
   --fuzz) packages+=(clang libfuzzer-14-dev) ;;  # scripts/fuzz.sh: clang's libFuzzer and sanitizers
 esac
 missing=()

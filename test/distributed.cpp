@@ -61,7 +61,8 @@ void check(bool ok, const std::string& what) {
 }
 
 constexpr int64_t kBatch = 4;  // per rank
-constexpr int kWorld = 2;
+int g_world = 2;  // ranks in the scenarios that do not take a world size (--world changes it)
+int g_nodes = 1;  // hosts the job spans (--nodes: the cluster tests); every scenario asks for devices = world / nodes
 constexpr uint64_t kSeed = 11;
 
 std::pair<torch::Tensor, torch::Tensor> data(int64_t n) {
@@ -112,14 +113,14 @@ torch::Tensor reference_weights(int64_t n, int epochs, int accumulate, double em
   Net net;
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::Tensor average;
-  const int64_t local = n / kWorld, batches = local / kBatch;
+  const int64_t local = n / g_world, batches = local / kBatch;
   for (int e = 0; e < epochs; ++e) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(kSeed + static_cast<uint64_t>(e));
     auto perm = torch::randperm(n, gen, torch::kLong);
     for (int64_t i = 0; i < batches; ++i) {
       std::vector<torch::Tensor> idx;
-      for (int r = 0; r < kWorld; ++r) {
-        auto mine = perm.slice(0, r, n, kWorld);
+      for (int r = 0; r < g_world; ++r) {
+        auto mine = perm.slice(0, r, n, g_world);
         idx.push_back(mine.slice(0, i * kBatch, (i + 1) * kBatch));
       }
       auto id = torch::cat(idx);
@@ -136,6 +137,53 @@ torch::Tensor reference_weights(int64_t n, int epochs, int accumulate, double em
     }
   }
   return ema_decay > 0.0 ? average.to(torch::kFloat32) : flat(*net);
+}
+
+/// Script: every rank's place as the strategy has it against every rank's own host name (gathered): the node rank is
+/// the host's place among the hosts in the order of their first rank, the local rank the rank's place among its host's
+/// ranks; g_nodes hosts with g_world / g_nodes ranks each; where a launcher says the rank (PMIx: every launcher the
+/// cluster tests use), it agrees. Prints every rank's place from rank 0.
+template <class S>
+void check_placement(S& strategy) {
+  constexpr int64_t kName = 64;
+  auto mine = torch::zeros({kName + 3}, torch::kLong);
+  const std::string host = volt::detail::host_name().substr(0, kName);
+  for (std::size_t i = 0; i < host.size(); ++i) mine[static_cast<int64_t>(i)] = static_cast<unsigned char>(host[i]);
+  mine[kName] = strategy.global_rank();
+  mine[kName + 1] = strategy.local_rank();
+  mine[kName + 2] = strategy.node_rank();
+  if (const char* pmix = std::getenv("PMIX_RANK")) {
+    check(std::atoi(pmix) == strategy.global_rank(), "rank " + std::to_string(strategy.global_rank()) +
+                                                         " is PMIx's rank " + pmix);
+  }
+  const torch::Tensor all = strategy.all_gather(mine);
+  if (strategy.global_rank() != 0) return;
+  std::vector<std::string> hosts;
+  std::map<std::string, int> count;
+  for (int r = 0; r < all.size(0); ++r) {
+    std::string h;
+    for (int64_t i = 0; i < kName && all[r][i].template item<int64_t>() != 0; ++i) {
+      h += static_cast<char>(all[r][i].template item<int64_t>());
+    }
+    const int node = static_cast<int>(std::find(hosts.begin(), hosts.end(), h) - hosts.begin());
+    if (node == static_cast<int>(hosts.size())) hosts.push_back(h);
+    const int64_t got_rank = all[r][kName].template item<int64_t>();
+    const int64_t got_local = all[r][kName + 1].template item<int64_t>();
+    const int64_t got_node = all[r][kName + 2].template item<int64_t>();
+    check(got_rank == r && got_local == count[h] && got_node == node,
+          "rank " + std::to_string(r) + " on " + h + ": the strategy says rank " + std::to_string(got_rank) +
+              ", local rank " + std::to_string(got_local) + ", node rank " + std::to_string(got_node) +
+              "; the hosts say local rank " + std::to_string(count[h]) + ", node rank " + std::to_string(node));
+    std::cout << "placement: rank " << r << " on " << h << ", local rank " << got_local << ", node rank " << got_node
+              << std::endl;
+    ++count[h];
+  }
+  check(static_cast<int>(hosts.size()) == g_nodes,
+        std::to_string(hosts.size()) + " hosts, want " + std::to_string(g_nodes));
+  for (const auto& [h, n] : count) {
+    check(n == static_cast<int>(all.size(0)) / g_nodes, h + " runs " + std::to_string(n) + " ranks, want " +
+                                                          std::to_string(all.size(0) / g_nodes));
+  }
 }
 
 template <class L, class... Callbacks>
@@ -157,7 +205,8 @@ int fit_scenario_with(int accumulate, bool fused, double ema_decay, Callbacks...
   Net net;
   net->fused = fused;
   auto trainer = volt::make_trainer<volt::DDP<L, volt::Mpi>>(
-      {.devices = kWorld, .max_epochs = epochs, .accumulate_grad_batches = accumulate}, callbacks...);
+      {.devices = g_world / g_nodes, .num_nodes = g_nodes, .max_epochs = epochs, .accumulate_grad_batches = accumulate},
+      callbacks...);
   trainer.strategy().set_bucket_bytes(256, 512);  // several buckets for this small net
   volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
   const volt::FitResult result = trainer.fit(net, loader);
@@ -172,13 +221,14 @@ int fit_scenario_with(int accumulate, bool fused, double ema_decay, Callbacks...
     check(torch::allclose(got, want, 1e-5, 1e-6), "DDP weights equal the one-process reference (max diff " + std::to_string(diff) + ")");
     check(result.metrics.count("loss") == 1, "fit returns the logged metrics");
     // The counters the reference loop walks through (under Spawn, brought back from rank 0 to this process).
-    const int64_t batches = n / kWorld / kBatch, steps = epochs * ((batches + accumulate - 1) / accumulate);
+    const int64_t batches = n / g_world / kBatch, steps = epochs * ((batches + accumulate - 1) / accumulate);
     check(trainer.current_epoch() == epochs && trainer.global_step() == steps,
           "after fit, current_epoch() = " + std::to_string(trainer.current_epoch()) + " (want " +
               std::to_string(epochs) + ") and global_step() = " + std::to_string(trainer.global_step()) +
               " (want " + std::to_string(steps) + ")");
   }
   if constexpr (std::is_same_v<L, volt::Script>) {
+    check_placement(trainer.strategy());
     if (!trainer.is_global_zero()) return failures == 0 ? 0 : 1;
     const auto layout = trainer.strategy().bucket_layout();
     check(layout.size() > 2, "small bucket caps give several buckets (got " + std::to_string(layout.size()) + ")");
@@ -273,7 +323,8 @@ int zero_scenario(int world, bool adam, bool fused) {
   net.adam = adam;
   net.fused = fused;
   auto trainer = volt::make_trainer<volt::ZeRO<Stage, L, volt::Mpi>>(
-      {.devices = world, .max_epochs = epochs, .accumulate_grad_batches = accumulate, .gradient_clip_val = clip});
+      {.devices = world / g_nodes, .num_nodes = g_nodes, .max_epochs = epochs, .accumulate_grad_batches = accumulate,
+       .gradient_clip_val = clip});
   trainer.strategy().set_bucket_bytes(256, 512);  // three buckets for this net, parameters across blocks
   volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
   trainer.fit(net, loader);
@@ -287,6 +338,7 @@ int zero_scenario(int world, bool adam, bool fused) {
                                                             std::to_string(diff) + ")");
   }
   if constexpr (std::is_same_v<L, volt::Script>) {  // (Spawn's workers trained their own copies of the net)
+    check_placement(trainer.strategy());
     // Each `.grad` went into its bucket and was dropped as it arrived: the later layers held none by then.
     check(net.held_late == 0, "layers b and c held " + std::to_string(net.held_late) + " bytes of .grad when layer "
                               "a's gradient arrived in a stepping backward (want 0: each dropped once in its bucket)");
@@ -344,7 +396,7 @@ int zero_inf_scenario() {
   ZeroNetImpl net;
   net.adam = false;
   auto trainer = volt::make_trainer<volt::ZeRO<Stage, volt::Script, volt::Mpi>, ScaledFp32>(
-      {.devices = kWorld, .max_epochs = 2}, PoisonRankOne{poisoned});
+      {.devices = g_world, .max_epochs = 2}, PoisonRankOne{poisoned});
   trainer.strategy().set_bucket_bytes(256, 512);
   trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}));
   const torch::Tensor every = trainer.strategy().all_gather(flat(net));
@@ -352,7 +404,7 @@ int zero_inf_scenario() {
   const double scale = trainer.precision().scaler().state_dict().at("scale");
   check(scale == 65536.0 / 2, "the loss scale backed off once (" + std::to_string(scale) + ", want 32768)");
   if (trainer.is_global_zero()) {
-    const torch::Tensor want = zero_reference(kWorld, n, 2, 1, 1e9, false, poisoned);
+    const torch::Tensor want = zero_reference(g_world, n, 2, 1, 1e9, false, poisoned);
     const double diff = (flat(net) - want).abs().max().item<double>();
     std::cout << "ZeRO<" << Stage << "> with an inf on rank 1: max |weights - reference| = " << diff << std::endl;
     check(torch::allclose(flat(net), want, 1e-5, 1e-6), "the poisoned step was skipped on every rank (max diff " +
@@ -367,7 +419,7 @@ int zero_unfreeze_scenario() {
   ZeroNetImpl net;
   net.unfreeze = true;
   for (auto& p : net.a->parameters()) p.set_requires_grad(false);
-  auto trainer = volt::make_trainer<volt::ZeRO<2, volt::Script, volt::Mpi>>({.devices = kWorld, .max_epochs = 1});
+  auto trainer = volt::make_trainer<volt::ZeRO<2, volt::Script, volt::Mpi>>({.devices = g_world, .max_epochs = 1});
   trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch}));
   std::cerr << "fit returned although a parameter was unfrozen during a ZeRO fit" << std::endl;
   return 3;
@@ -390,7 +442,7 @@ int max_time_scenario() {
   std::error_code gone;
   std::filesystem::remove_all(dir, gone);  // nothing of an earlier run (its interrupted.ckpt would make ours -v1)
   auto trainer = volt::make_trainer<volt::DDP<volt::Script, volt::Mpi>>(
-      {.devices = kWorld, .max_epochs = 4, .max_time = std::chrono::milliseconds(250), .default_root_dir = dir});
+      {.devices = g_world, .max_epochs = 4, .max_time = std::chrono::milliseconds(250), .default_root_dir = dir});
   net.rank = trainer.strategy().global_rank();
   volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
   trainer.fit(net, loader);  // returns: no exception, no exit
@@ -398,7 +450,7 @@ int max_time_scenario() {
   const torch::Tensor steps = trainer.strategy().all_gather(torch::tensor({step}));
   std::cout << "rank " << net.rank << " stopped at step " << step << std::endl;
   check(steps.min().item<int64_t>() == steps.max().item<int64_t>(), "every rank stopped at the same step");
-  check(step > 0 && step < 4 * (256 / kWorld / kBatch), "the time limit stopped the fit before its end");
+  check(step > 0 && step < 4 * (256 / g_world / kBatch), "the time limit stopped the fit before its end");
   if (trainer.is_global_zero()) {
     const auto loops = volt::checkpoint::read(dir + "/checkpoints/interrupted.ckpt").at("loops").toGenericDict();
     check(loops.at("global_step").toInt() == step, "the checkpoint holds the step the fit stopped at");
@@ -462,13 +514,13 @@ torch::Tensor manual_reference_weights(int64_t n, int epochs) {
   auto freeze = [&](std::vector<torch::Tensor> ps, bool on) {
     for (auto& p : ps) p.set_requires_grad(on);
   };
-  const int64_t local = n / kWorld, batches = local / kBatch;
+  const int64_t local = n / g_world, batches = local / kBatch;
   for (int e = 0; e < epochs; ++e) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(kSeed + static_cast<uint64_t>(e));
     auto perm = torch::randperm(n, gen, torch::kLong);
     for (int64_t i = 0; i < batches; ++i) {
       std::vector<torch::Tensor> idx;
-      for (int r = 0; r < kWorld; ++r) idx.push_back(perm.slice(0, r, n, kWorld).slice(0, i * kBatch, (i + 1) * kBatch));
+      for (int r = 0; r < g_world; ++r) idx.push_back(perm.slice(0, r, n, g_world).slice(0, i * kBatch, (i + 1) * kBatch));
       auto id = torch::cat(idx);
       const auto bx = x.index_select(0, id), by = y.index_select(0, id);
       freeze(net->c->parameters(), false);
@@ -492,7 +544,7 @@ int manual_scenario() {
   const int epochs = 2;
   auto [x, y] = data(n);
   ManualNet net;
-  volt::Trainer<volt::DDP<L, volt::Mpi>> trainer({.devices = kWorld, .max_epochs = epochs});
+  volt::Trainer<volt::DDP<L, volt::Mpi>> trainer({.devices = g_world, .max_epochs = epochs});
   trainer.strategy().set_bucket_bytes(256, 512);  // several buckets, some holding parameters of both optimizers
   volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
   trainer.fit(net, loader);
@@ -503,7 +555,7 @@ int manual_scenario() {
     std::cout << "max |ddp manual - reference| = " << diff << std::endl;
     check(torch::allclose(got, want, 1e-5, 1e-6),
           "DDP manual-optimization weights equal the one-process reference (max diff " + std::to_string(diff) + ")");
-    const int64_t batches = n / kWorld / kBatch, steps = epochs * (batches + batches / 2);
+    const int64_t batches = n / g_world / kBatch, steps = epochs * (batches + batches / 2);
     check(trainer.global_step() == steps, "global_step() = " + std::to_string(trainer.global_step()) + " counts both "
           "optimizers' steps (want " + std::to_string(steps) + ")");
   }
@@ -533,7 +585,7 @@ struct IndexNetImpl : torch::nn::Module {
     for (int64_t i : epoch) ++count[i];
     int64_t extra = 0;
     for (auto& [i, c] : count) extra += c - 1;
-    const int64_t pad = (kWorld - n % kWorld) % kWorld;
+    const int64_t pad = (g_world - n % g_world) % g_world;
     std::ostringstream why;
     if (static_cast<int64_t>(count.size()) != n || count.begin()->first != 0 || count.rbegin()->first != n - 1) {
       why << "epoch " << ctx.current_epoch() << ": " << count.size() << " distinct samples of " << n;
@@ -556,7 +608,7 @@ int indices_scenario(int64_t n) {
   auto x = torch::arange(n, torch::kFloat32).unsqueeze(1);
   auto y = torch::zeros({n, 1});
   IndexNet net(n);
-  volt::Trainer<volt::DDP<L>> trainer({.devices = kWorld, .max_epochs = 3});
+  volt::Trainer<volt::DDP<L>> trainer({.devices = g_world, .max_epochs = 3});
   volt::data::TensorLoader loader(x, y, {.batch_size = 3, .shuffle = true, .seed = 5});
   trainer.fit(net, loader);
   return failures == 0 ? 0 : 1;
@@ -605,7 +657,7 @@ int predict_scenario(int world) {
   const std::string dir = (std::filesystem::temp_directory_path() / ("volt_predict_" + std::string(std::is_same_v<L, volt::Spawn> ? "spawn" : "script") +
                                                                      std::to_string(world))).string();
   auto trainer = volt::make_trainer<volt::DDP<L>, volt::Fp32, volt::CPU>(
-      {.devices = world}, volt::PredictionWriter({.dirpath = dir}));
+      {.devices = world / g_nodes, .num_nodes = g_nodes}, volt::PredictionWriter({.dirpath = dir}));
   volt::data::TensorLoader loader(x, y, {.batch_size = batch});
   const std::vector<torch::Tensor> got = trainer.predict(net, loader);
   const auto metrics = trainer.validate(net, loader);
@@ -625,6 +677,7 @@ int predict_scenario(int world) {
     }
   }
   if (trainer.is_global_zero()) check_written(dir, trainer.strategy().world_size(), torch::cat(want));
+  if constexpr (std::is_same_v<L, volt::Script>) check_placement(trainer.strategy());
   check(metrics.at("val_count") == static_cast<double>(n), "validation counted " + std::to_string(metrics.at("val_count")) +
                                                                " samples of " + std::to_string(n));
   check(std::abs(metrics.at("val_loss") - mean) <= 1e-6 * std::abs(mean),
@@ -642,7 +695,7 @@ int predict_scenario(int world) {
 int collectives_scenario() {
   volt::detail::MpiRuntime::instance().ensure_initialized();
   // Lives to the end of the process, as a launcher's group does (MPI closes it at exit).
-  auto* group = new volt::detail::MpiGroup(MPI_COMM_WORLD, 0, 0);
+  auto* group = new volt::detail::MpiGroup(MPI_COMM_WORLD);
   volt::Mpi mpi(group);
   const int w = group->size(), r = group->rank();
   const int64_t n = 5;
@@ -701,7 +754,7 @@ struct MetricNetImpl : torch::nn::Module {
     ctx.broadcast_(t, 1);
     check(t[0].item<double>() == 2.0, "broadcast_ from rank 1");
     auto g = ctx.all_gather(torch::tensor({static_cast<double>(ctx.global_rank())}));
-    check(g.size(0) == kWorld && g[1][0].item<double>() == 1.0, "all_gather stacks ranks in order");
+    check(g.size(0) == g_world && g[1][0].item<double>() == 1.0, "all_gather stacks ranks in order");
     // Only rank 1 says stop: the decision is "any", so both ranks stop after this epoch.
     ctx.log("stop_signal", ctx.global_rank() == 1 ? 1.0 : 0.0, {.on_epoch = true, .reduce = volt::Reduce::max});
   }
@@ -715,7 +768,7 @@ int metrics_scenario() {
   // EarlyStopping on the rank-local "stop_signal": rank 1 would stop at once (mode max, threshold), rank 0
   // never; the decision is reduced, so both stop after epoch 0 together instead of deadlocking.
   auto trainer = volt::make_trainer<volt::DDP<volt::Script>>(
-      {.devices = kWorld, .max_epochs = 5},
+      {.devices = g_world, .max_epochs = 5},
       volt::EarlyStopping({.monitor = "stop_signal", .mode = volt::EarlyStopping::Mode::max, .stopping_threshold = 0.5}));
   volt::data::TensorLoader loader(x, y, {.batch_size = 2});
   auto result = trainer.fit(net, loader);
@@ -745,7 +798,7 @@ template <class L>
 int fail_scenario(int rank, int step) {
   auto [x, y] = data(64);
   FailNet net(rank, step);
-  volt::Trainer<volt::DDP<L>> trainer({.devices = kWorld, .max_epochs = 1000});
+  volt::Trainer<volt::DDP<L>> trainer({.devices = g_world, .max_epochs = 1000});
   volt::data::TensorLoader loader(x, y, {.batch_size = 4, .shuffle = true});
   trainer.fit(net, loader);  // throws in every process
   std::cerr << "fit returned although a rank failed" << std::endl;
@@ -893,17 +946,17 @@ int placement_scenario(int want_threads) {
     const char* omp = std::getenv("OMP_NUM_THREADS");
     const int threads = omp != nullptr ? std::stoi(omp) : 0;
     const bool ok = want_threads > 0 ? threads == want_threads
-                                     : threads >= std::max(1, launcher_cpus / 2 / kWorld) &&
-                                           threads * kWorld <= std::max(kWorld, launcher_cpus);
+                                     : threads >= std::max(1, launcher_cpus / 2 / g_world) &&
+                                           threads * g_world <= std::max(g_world, launcher_cpus);
     if (affinity_count() != launcher_cpus || !ok) {
       net->problem = std::string("a ") + role + " copy may run on " + std::to_string(affinity_count()) +
                      " CPUs (the launching process on " + std::to_string(launcher_cpus) + ") with OMP_NUM_THREADS=" +
-                     (omp != nullptr ? omp : "(unset)") + " for " + std::to_string(kWorld) + " ranks" +
+                     (omp != nullptr ? omp : "(unset)") + " for " + std::to_string(g_world) + " ranks" +
                      (want_threads > 0 ? " (the job's: " + std::to_string(want_threads) + ")" : "");
     }
   }
   auto x = torch::randn({16, 4}), y = torch::randn({16, 1});
-  volt::Trainer<volt::DDP<L>> trainer({.devices = kWorld, .max_epochs = 1});
+  volt::Trainer<volt::DDP<L>> trainer({.devices = g_world, .max_epochs = 1});
   trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = 4}));
   return 0;
 }
@@ -1004,7 +1057,13 @@ int usage(const std::string& given) {
 
 int main(int argc, char** argv) {
   at::set_num_threads(1);  // one intra-op thread per rank: 2 ranks on 2 cores
-  const std::vector<std::string> a(argv + 1, argv + argc);
+  std::vector<std::string> a(argv + 1, argv + argc);
+  for (const char* flag : {"--world", "--nodes"}) {  // anywhere on the line, for every scenario
+    const auto at = std::find(a.begin(), a.end(), flag);
+    if (at == a.end() || at + 1 == a.end()) continue;
+    (std::string(flag) == "--world" ? g_world : g_nodes) = std::stoi(*(at + 1));
+    a.erase(at, at + 2);
+  }
   if (a.empty()) return usage("");
   try {
     for (const Mode& m : kModes) {

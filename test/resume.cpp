@@ -48,6 +48,7 @@
 namespace fs = std::filesystem;
 using vt::after_dashes;
 using vt::Child;
+using vt::capture;
 using vt::fail;
 using vt::identical;
 using vt::run;
@@ -539,15 +540,19 @@ struct Pacer {
 
 // resume sig-fit single|ddp|spawn <dir> <weights-out> <delay_ms> [ckpt]: the Tiny fit on one process, on 2 DDP
 // ranks (under mpirun) or on 2 Spawn workers, validating twice an epoch, a CSVLogger row every step, the default
-// ModelCheckpoint in <dir>/ckpt; the final weights go to <weights-out>.
+// ModelCheckpoint in <dir>/ckpt; the final weights go to <weights-out>. SignalOptions::scontrol is VOLT_TEST_SCONTROL
+// where that is set; the 2 DDP ranks span VOLT_TEST_NODES hosts where that is set.
 template <class S>
 int sig_fit(const std::string& dir, const std::string& out, int delay_ms, const std::string& ckpt) {
   fs::create_directories(dir);
   torch::manual_seed(1);
   Tiny model;
+  volt::SignalOptions signals;
+  if (const char* stand_in = std::getenv("VOLT_TEST_SCONTROL")) signals.scontrol = stand_in;
+  const int nodes = S::is_distributed && std::getenv("VOLT_TEST_NODES") ? std::atoi(std::getenv("VOLT_TEST_NODES")) : 1;
   auto trainer = volt::make_trainer<S, volt::Fp32, volt::CPU>(
-      {.devices = S::is_distributed ? 2 : 1, .max_epochs = 4, .val_check_interval = 0.5, .deterministic = true,
-       .seed = 7, .log_every_n_steps = 1, .default_root_dir = dir},
+      {.devices = S::is_distributed ? 2 / nodes : 1, .num_nodes = nodes, .max_epochs = 4, .val_check_interval = 0.5,
+       .deterministic = true, .seed = 7, .log_every_n_steps = 1, .default_root_dir = dir, .signals = signals},
       volt::ModelCheckpoint({.dirpath = dir + "/ckpt"}), volt::CSVLogger({.name = "logs"}), Pacer{dir, delay_ms});
   auto val = tiny_data(/*shuffle=*/false);  // the same order in every validation, so resumed means sum alike
   trainer.fit(model, tiny_data(), val, ckpt);
@@ -566,8 +571,10 @@ int64_t read_number(const std::string& file) {
 // then the same run stopped by a signal after a random step (SIGTERM to the process, to mpirun or to the Spawn
 // main process; SIGUSR1 to rank 1 alone), then resumed with "last": the weights must be bit-identical to the
 // reference's and the metric rows of both parts together the reference's rows. SLURM_JOB_ID is set with a
-// stand-in `scontrol` on PATH where the signal requeues (single: SIGTERM; usr1-one-rank: SIGUSR1): it must be
-// called once, by rank zero. `single` also sends a second signal to a fresh run: it must end at once.
+// stand-in `scontrol` (SignalOptions::scontrol, through VOLT_TEST_SCONTROL: not PATH, which mpirun started by its full
+// path puts its own folder first in, where SLURM's scontrol may be) where the signal requeues (single: SIGTERM;
+// usr1-one-rank: SIGUSR1): it must be called once, by rank zero. `single` also sends a second signal to a fresh run:
+// it must end at once.
 int signal_case(const std::string& kase, const std::string& dir, const std::vector<std::string>& mpirun) {
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -588,7 +595,7 @@ int signal_case(const std::string& kase, const std::string& dir, const std::vect
   std::ofstream(bin + "/scontrol") << "#!/bin/sh\necho \"$@\" >> '" << requeued << "'\n";
   fs::permissions(bin + "/scontrol", fs::perms::owner_all);
   std::vector<std::string> env;
-  if (requeues) env = {"PATH=" + bin + ":" + std::getenv("PATH"), "SLURM_JOB_ID=4242"};
+  if (requeues) env = {"VOLT_TEST_SCONTROL=" + bin + "/scontrol", "SLURM_JOB_ID=4242"};
 
   if (run(cmd({dir + "/ref", dir + "/ref.ckpt", "0"})) != 0) fail("the uninterrupted run failed");
   const int64_t steps = launcher == "single" ? 48 : 24;
@@ -674,6 +681,89 @@ int signal_case(const std::string& kase, const std::string& dir, const std::vect
 
 // ---- Python ---------------------------------------------------------------------------------------------
 
+/// The value of `key` in the one-line `scontrol -o show job` of `job` on the cluster in `cluster` ("" if none).
+std::string job_field(const std::string& cluster, const std::string& job, const std::string& key) {
+  const std::string line = capture({cluster + "/bin/on", "head", "scontrol", "-o", "show", "job", job});
+  const auto at = line.find(" " + key + "=");
+  if (at == std::string::npos) return "";
+  const auto start = at + key.size() + 2;
+  return line.substr(start, line.find(' ', start) - start);
+}
+
+// resume requeue <dir> <cluster-dir> srun|mpirun [-- <mpirun...>]: SLURM's requeue for real, on the emulated cluster
+// (test/cluster/up.sh). The 2-rank sig-fit, one rank on each of 2 hosts, is submitted with `sbatch --requeue`, its
+// batch script starting the ranks with `srun --mpi=pmix` or `exec mpirun`, always with "last" (nothing to resume the
+// first time). After a random step it is sent SIGUSR1 as a cluster sends it: `scancel --signal=USR1` to the job's
+// steps (srun), `scancel --batch --signal=USR1` to the batch shell, which mpirun forwards (mpirun). volt must save,
+// run the real `scontrol requeue`, and the job must run again (Restarts=1; SLURM holds a requeued job, which the test
+// releases with `scontrol update starttime=now`) and resume: the weights bit-identical to an uninterrupted run's
+// (under the given mpirun, on this host), the metric rows of both runs together that run's rows.
+int requeue_case(const std::string& dir, const std::string& cluster, const std::string& how,
+                 const std::vector<std::string>& mpirun) {
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::vector<std::string> ref = mpirun;
+  for (const std::string& a : {self_exe(), std::string("sig-fit"), std::string("ddp"), dir + "/ref", dir + "/ref.ckpt",
+                               std::string("0")}) {
+    ref.push_back(a);
+  }
+  if (run(ref) != 0) fail("the uninterrupted run failed");
+  const std::string run_dir = dir + "/run", out = dir + "/out.ckpt", script = dir + "/job.sh", log = dir + "/job.out";
+  const std::string start_ranks = how == "srun" ? "srun --mpi=pmix" : "exec mpirun --allow-run-as-root --bind-to none";
+  std::ofstream(script) << "#!/bin/sh\nexport VOLT_TEST_NODES=2\n"
+                        << "echo \"run with SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}\"\n"
+                        << start_ranks << " '" << self_exe() << "' sig-fit ddp '" << run_dir << "' '" << out
+                        << "' 40 last\n";
+  const std::string job = capture({cluster + "/bin/on", "head", "sbatch", "--parsable", "--requeue", "-N2", "-n2",
+                                   "--open-mode=append", "-o", log, script});
+  if (job.empty() || job.find_first_not_of("0123456789\n") != std::string::npos) fail("sbatch said: " + job);
+  const std::string id = job.substr(0, job.find('\n'));
+  std::mt19937 rng(std::random_device{}());
+  const int64_t after = std::uniform_int_distribution<int64_t>(2, 18)(rng);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (read_number(run_dir + "/progress") < after) {
+    if (std::chrono::steady_clock::now() > deadline) fail("job " + id + " did not reach step " + std::to_string(after));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::vector<std::string> scancel = {cluster + "/bin/on", "head", "scancel", "--signal=USR1"};
+  if (how != "srun") scancel.push_back("--batch");
+  scancel.push_back(id);
+  std::cout << "job " << id << ": SIGUSR1 after step " << after << " ($ scancel --signal=USR1" << (how != "srun" ? " --batch " : " ")
+            << id << ")" << std::endl;
+  if (run(scancel) != 0) fail("scancel failed");
+  bool released = false;
+  std::string state;
+  while (state != "COMPLETED") {
+    state = job_field(cluster, id, "JobState");
+    if (state == "FAILED" || state == "CANCELLED" || state == "TIMEOUT" || state == "NODE_FAIL") break;
+    if (!released && job_field(cluster, id, "Restarts") == "1" && state == "PENDING") {
+      run({cluster + "/bin/on", "head", "scontrol", "update", "jobid=" + id, "starttime=now"});
+      released = true;
+    }
+    if (std::chrono::steady_clock::now() > deadline + std::chrono::seconds(60)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  std::cout << "--- the job's output (both runs) ---\n" << std::ifstream(log).rdbuf() << "---" << std::endl;
+  const std::string restarts = job_field(cluster, id, "Restarts");
+  if (state != "COMPLETED" || restarts != "1") {
+    fail("job " + id + " ended " + state + " after " + restarts + " restarts; expected COMPLETED after 1");
+  }
+  const std::string ckpt = run_dir + "/ckpt/interrupted.ckpt";
+  if (!fs::exists(ckpt)) fail("no " + ckpt + " after the signal");
+  const int64_t saved = volt::checkpoint::read(ckpt).at("loops").toGenericDict().at("global_step").toInt();
+  std::string why;
+  if (!identical(dir + "/ref.ckpt", out, &why)) fail("requeued and resumed from step " + std::to_string(saved) + ": " + why);
+  auto ref_rows = vt::csv_rows(dir + "/ref/logs/version_0/metrics.csv");
+  auto rows = vt::csv_rows(run_dir + "/logs/version_0/metrics.csv");
+  for (auto& r : vt::csv_rows(run_dir + "/logs/version_1/metrics.csv")) rows.push_back(std::move(r));
+  std::sort(rows.begin(), rows.end());
+  if (rows != ref_rows) fail("the metric rows of both runs are not the uninterrupted run's");
+  std::cout << "requeue (" << how << "): SIGUSR1 after step " << after << ", checkpoint at step " << saved
+            << ", job " << id << " requeued by scontrol and run again (Restarts=1), resumed from \"last\": weights "
+            << "bit-identical, metric rows the uninterrupted run's  match" << std::endl;
+  return 0;
+}
+
 // resume export <dir>: trains the quick-start net briefly, writes its checkpoint, an input and its output.
 int export_for_python(const std::string& dir) {
   fs::create_directories(dir);
@@ -729,6 +819,10 @@ const Mode kModes[] = {
      [](const std::vector<std::string>& a, int argc, char** argv) {
        return signal_case(a[2], a[3], a[2] == "single" || a[2] == "spawn" ? std::vector<std::string>{}
                                                                            : after_dashes(argc, argv));
+     }},
+    {"requeue", 3, "<dir> <cluster-dir> srun|mpirun -- <mpirun...>",
+     [](const std::vector<std::string>& a, int argc, char** argv) {
+       return requeue_case(a[2], a[3], a[4], after_dashes(argc, argv));
      }},
     {"export", 2, "<dir>", [](const std::vector<std::string>& a, int, char**) { return export_for_python(a[2]); }},
     // workers

@@ -336,7 +336,7 @@ struct EnvGuard {
 TEST_CASE("cluster environments: Open MPI, SLURM, torchrun variables and contradictions", "[unit][dist]") {
   REQUIRE(std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr);  // the test itself runs plainly
   SECTION("none") { CHECK(volt::cluster::detect().source == volt::cluster::Source::none); }
-  SECTION("Open MPI: node rank from the local size") {
+  SECTION("Open MPI") {
     EnvGuard g;
     g.set("OMPI_COMM_WORLD_SIZE", "8");
     g.set("OMPI_COMM_WORLD_RANK", "5");
@@ -344,7 +344,7 @@ TEST_CASE("cluster environments: Open MPI, SLURM, torchrun variables and contrad
     g.set("OMPI_COMM_WORLD_LOCAL_SIZE", "4");
     const auto e = volt::cluster::detect();
     CHECK(e.source == volt::cluster::Source::open_mpi);
-    CHECK((e.world_size == 8 && e.rank == 5 && e.local_rank == 1 && e.node_rank == 1));
+    CHECK((e.world_size == 8 && e.rank == 5 && e.local_rank == 1));
     CHECK_NOTHROW(volt::cluster::check_against(e, 4, 2));
     CHECK_THROWS_WITH(volt::cluster::check_against(e, 2, 1),
                       Contains("started 8 processes") && Contains("devices=2 x num_nodes=1 = 2"));
@@ -356,7 +356,7 @@ TEST_CASE("cluster environments: Open MPI, SLURM, torchrun variables and contrad
     g.set("SLURM_LOCALID", "1");
     g.set("SLURM_NODEID", "1");
     const auto e = volt::cluster::detect();
-    CHECK((e.source == volt::cluster::Source::slurm && e.rank == 3 && e.local_rank == 1 && e.node_rank == 1));
+    CHECK((e.source == volt::cluster::Source::slurm && e.rank == 3 && e.local_rank == 1));
   }
   SECTION("torchrun") {
     EnvGuard g;
@@ -371,6 +371,20 @@ TEST_CASE("cluster environments: Open MPI, SLURM, torchrun variables and contrad
     g.set("OMPI_COMM_WORLD_SIZE", "two");
     CHECK_THROWS_WITH(volt::cluster::detect(), Contains("OMPI_COMM_WORLD_SIZE=\"two\""));
   }
+}
+
+TEST_CASE("local and node ranks from the members' hosts, whatever the mapping", "[unit][dist]") {
+  using volt::detail::place;
+  // mpirun --map-by node over three hosts: ranks go round the hosts; rank / local size would say 0,0,1,1,2,2
+  const auto by_node = place({"b", "c", "a", "b", "c", "a"});
+  CHECK(by_node.node_rank == std::vector<int>{0, 1, 2, 0, 1, 2});
+  CHECK(by_node.local_rank == std::vector<int>{0, 0, 0, 1, 1, 1});
+  CHECK(by_node.nodes == 3);
+  // by slot, two hosts of unequal sizes
+  const auto by_slot = place({"n1", "n1", "n1", "n2"});
+  CHECK(by_slot.node_rank == std::vector<int>{0, 0, 0, 1});
+  CHECK(by_slot.local_rank == std::vector<int>{0, 1, 2, 0});
+  CHECK(place({"solo"}).nodes == 1);
 }
 
 TEST_CASE("DDP at world size 1 (MPI singleton, real reducer) trains as SingleDevice", "[unit][dist]") {

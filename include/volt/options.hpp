@@ -104,6 +104,9 @@ struct SignalOptions {
   /// In a SLURM job (SLURM_JOB_ID set), run `scontrol requeue $SLURM_JOB_ID` on rank zero after the
   /// checkpoint is written, for SIGTERM and `requeue_signal` (not for Ctrl-C), as Lightning's auto_requeue.
   bool auto_requeue = true;
+  /// The program that requeues: `<scontrol> requeue $SLURM_JOB_ID`, looked up on PATH unless it names a path (for a
+  /// cluster that keeps SLURM's commands elsewhere, or a wrapper of its own).
+  std::string scontrol = "scontrol";
   /// End the process after the checkpoint (false: fit throws `volt::Interrupted` instead, for programs that
   /// clean up themselves).
   bool exit_process = true;
@@ -258,6 +261,9 @@ inline void validate_options(const TrainerOptions& o) {
           quote("fast_dev_run", o.fast_dev_run) + " is not allowed: give 0 (off), true/1 or a number of batches.");
   require(o.log_every_n_steps >= 1,
           quote("log_every_n_steps", o.log_every_n_steps) + " is not allowed: give a number >= 1.");
+  require(!o.signals.auto_requeue || !o.signals.scontrol.empty(),
+          "signals.scontrol is empty, but signals.auto_requeue is on: name the program that requeues a SLURM job "
+          "(\"scontrol\", found on PATH, or its path), or set signals.auto_requeue = false.");
   if (o.signals.enabled && o.signals.requeue_signal != 0) {
     const int s = o.signals.requeue_signal;
     require(s > 0 && s < NSIG && s != SIGKILL && s != SIGSTOP && s != SIGTERM && s != SIGINT,

@@ -77,6 +77,16 @@ inline int run(const std::vector<std::string>& cmd, const std::vector<std::strin
   return wait_for(start(cmd, false, env));
 }
 
+/// Runs a command to its end and returns its standard output (whatever its status).
+inline std::string capture(const std::vector<std::string>& cmd) {
+  const Child c = start(cmd, true);
+  std::string out;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof buffer, c.out) != nullptr) out += buffer;
+  wait_for(c);
+  return out;
+}
+
 /// Starts a command with its stdout on a pipe; `on_line` sees each line and returns true to kill the
 /// process with SIGKILL there. Returns the status as run() does.
 template <class F>

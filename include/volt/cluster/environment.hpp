@@ -1,11 +1,13 @@
 #pragma once
 /// \file
-/// Where this process stands in a job that something else started: rank, world size, local rank and node
-/// rank, read from the variables of Open MPI (`mpirun`; PMIx), SLURM (`srun`) or torchrun. `Source::none`
-/// means no launcher is around: volt's own launchers create the processes.
+/// Where this process stands in a job that something else started: rank, world size and local rank, read from the
+/// variables of the launcher that started it: Open MPI (`mpirun`, also inside a SLURM allocation, where the
+/// `SLURM_PROCID` a rank sees is that of Open MPI's daemon), PMIx (`srun --mpi=pmix`), SLURM (`srun`) or torchrun.
+/// `Source::none` means no launcher is around: volt's own launchers create the processes.
 ///
-/// Open MPI has no node index variable: the node rank is `rank / OMPI_COMM_WORLD_LOCAL_SIZE`, which holds
-/// for mpirun's default by-slot mapping.
+/// The node rank is not read here: Open MPI has no variable for it, and `rank / local size` holds only for by-slot
+/// mapping. The process group finds both local and node rank from every member's host name
+/// (`detail::place`, comm/runtime.hpp), whatever the mapping.
 
 #include "volt/options.hpp"
 
@@ -32,7 +34,6 @@ struct Environment {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
-  int node_rank = 0;
 
   /// Whether an outside launcher started this process (mpirun, srun, torchrun).
   bool launched_externally() const { return source != Source::none; }
@@ -70,26 +71,21 @@ inline Environment detect() {
     e.world_size = *size;
     e.rank = env_int("OMPI_COMM_WORLD_RANK").value_or(0);
     e.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(0);
-    const int local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE").value_or(*size);
-    e.node_rank = local_size > 0 ? e.rank / local_size : 0;
   } else if (auto size = env_int("PMIX_SIZE"); size && env_int("PMIX_RANK")) {
     e.source = Source::open_mpi;
     e.world_size = *size;
     e.rank = *env_int("PMIX_RANK");
     e.local_rank = env_int("PMIX_LOCAL_RANK").value_or(0);
-    e.node_rank = env_int("PMIX_NODE_RANK").value_or(0);
   } else if (auto size = env_int("SLURM_STEP_NUM_TASKS"); size && env_int("SLURM_PROCID")) {
     e.source = Source::slurm;
     e.world_size = *size;
     e.rank = *env_int("SLURM_PROCID");
     e.local_rank = env_int("SLURM_LOCALID").value_or(0);
-    e.node_rank = env_int("SLURM_NODEID").value_or(0);
   } else if (auto size = env_int("WORLD_SIZE"); size && env_int("RANK")) {
     e.source = Source::torchrun;
     e.world_size = *size;
     e.rank = *env_int("RANK");
     e.local_rank = env_int("LOCAL_RANK").value_or(0);
-    e.node_rank = env_int("GROUP_RANK").value_or(env_int("NODE_RANK").value_or(0));
   }
   return e;
 }

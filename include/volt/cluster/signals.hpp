@@ -115,16 +115,16 @@ inline bool should_requeue(const SignalOptions& options, int sig) {
   return options.auto_requeue && job != nullptr && *job != '\0' && sig != SIGINT;
 }
 
-/// Runs `scontrol requeue $SLURM_JOB_ID` (found on PATH) and waits up to 60 s. Returns "" on success, else
-/// what went wrong.
-inline std::string requeue_slurm_job() {
+/// Runs `<scontrol> requeue $SLURM_JOB_ID` (`scontrol` looked up on PATH unless it names a path) and waits up to
+/// 60 s. Returns "" on success, else what went wrong.
+inline std::string requeue_slurm_job(const std::string& scontrol) {
   const char* job = std::getenv("SLURM_JOB_ID");
   if (job == nullptr || *job == '\0') return "SLURM_JOB_ID is not set";
-  std::string a0 = "scontrol", a1 = "requeue", a2 = job;
+  std::string a0 = scontrol, a1 = "requeue", a2 = job;
   char* argv[] = {a0.data(), a1.data(), a2.data(), nullptr};
   pid_t pid = 0;
-  if (const int rc = ::posix_spawnp(&pid, "scontrol", nullptr, nullptr, argv, environ); rc != 0) {
-    return "could not start scontrol: " + std::string(std::strerror(rc));
+  if (const int rc = ::posix_spawnp(&pid, scontrol.c_str(), nullptr, nullptr, argv, environ); rc != 0) {
+    return "could not start " + scontrol + ": " + std::string(std::strerror(rc));
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   int status = 0;
@@ -135,12 +135,12 @@ inline std::string requeue_slurm_job() {
     if (std::chrono::steady_clock::now() > deadline) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);
-      return "scontrol requeue " + std::string(job) + " did not finish in 60 s";
+      return scontrol + " requeue " + std::string(job) + " did not finish in 60 s";
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
-  return "scontrol requeue " + std::string(job) + " ended with status " +
+  return scontrol + " requeue " + std::string(job) + " ended with status " +
          std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
 }
 

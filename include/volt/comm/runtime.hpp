@@ -6,8 +6,8 @@
 /// Failure model. Every wait volt does on MPI is a polling loop (`MPI_Test`) that also watches
 ///  - a failure channel: a rank whose body throws sends its message to every other member (and to a Spawn
 ///    parent) before it rethrows; a waiting member throws `volt::RankFailure` carrying that message;
-///  - the peers' processes: members on the same host are checked with `kill(pid, 0)`, so a peer that died
-///    without a word (a crash, SIGKILL) is noticed too.
+///  - the peers' processes: members on the same host whose PIDs this process can see (`Peer::visible`) are checked
+///    with `kill(pid, 0)`, so a peer that died without a word (a crash, SIGKILL) is noticed too.
 /// A process whose group failed never calls `MPI_Finalize` (it would wait for the dead), so the job ends
 /// with the failing rank's message and a non-zero exit instead of a hang.
 
@@ -21,9 +21,11 @@
 #include <mpi.h>
 
 #include <sched.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <chrono>
@@ -75,11 +77,56 @@ inline std::string host_name() {
   return name;
 }
 
+/// What says whether `kill(pid, 0)` can see another process: the kernel's boot id and this process's PID namespace.
+/// Two processes that share both see each other's PIDs; the host name alone does not say so (two containers may both
+/// be called "localhost"), nor does sharing them say the processes are on one host as the job sees it (network and UTS
+/// namespaces make hosts of one kernel, as the cluster tests do).
+inline std::string kernel_identity() {
+  std::string boot;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char line[64] = {};
+    if (std::fgets(line, sizeof line, f) != nullptr) boot = line;
+    std::fclose(f);
+  }
+  struct stat ns {};
+  const bool have_ns = ::stat("/proc/self/ns/pid", &ns) == 0;
+  if (boot.empty() || !have_ns) return {};  // unknown: never compared equal
+  while (!boot.empty() && (boot.back() == '\n' || boot.back() == '\r')) boot.pop_back();
+  return boot + "/" + std::to_string(static_cast<unsigned long long>(ns.st_ino));
+}
+
+/// Each member's local rank (its place among the members on its host, in rank order) and node rank (its host's place
+/// among the hosts, in the order of their first member), from every member's host name in rank order. As Lightning's
+/// MPIEnvironment, whatever the launcher's mapping (by slot, by node, a scheduler's daemons in between).
+struct Placement {
+  std::vector<int> local_rank, node_rank;
+  int nodes = 0;
+};
+inline Placement place(const std::vector<std::string>& hosts) {
+  Placement p;
+  std::vector<std::string> seen;
+  std::vector<int> count;
+  for (const std::string& h : hosts) {
+    const auto at = std::find(seen.begin(), seen.end(), h);
+    const auto node = static_cast<std::size_t>(at - seen.begin());
+    if (at == seen.end()) {
+      seen.push_back(h);
+      count.push_back(0);
+    }
+    p.node_rank.push_back(static_cast<int>(node));
+    p.local_rank.push_back(count[node]++);
+  }
+  p.nodes = static_cast<int>(seen.size());
+  return p;
+}
+
 /// A process of the job, as another member sees it.
 struct Peer {
   int rank = 0;
   int pid = 0;
-  bool same_host = false;
+  std::string host;
+  /// On this host and in this PID namespace: `kill(pid, 0)` tells whether it has ended.
+  bool visible = false;
 };
 
 /// Whether `pid` on this host has ended.
@@ -154,21 +201,27 @@ class MpiRuntime {
 class MpiGroup {
  public:
   /// `comm` is duplicated (twice: work and failure channel); `parent` is a Spawn worker's link to the
-  /// main process (MPI_COMM_NULL otherwise). Collective over `comm`.
-  MpiGroup(MPI_Comm comm, int local_rank, int node_rank, MPI_Comm parent = MPI_COMM_NULL)
-      : local_rank_(local_rank), node_rank_(node_rank), parent_(parent) {
+  /// main process (MPI_COMM_NULL otherwise). Collective over `comm`: the members' host names, PIDs and kernels are
+  /// gathered, and give each its local and node rank (`place`).
+  explicit MpiGroup(MPI_Comm comm, MPI_Comm parent = MPI_COMM_NULL) : parent_(parent) {
     mpi_check(MPI_Comm_dup(comm, &work_), "MPI_Comm_dup");
     mpi_check(MPI_Comm_dup(comm, &failure_), "MPI_Comm_dup");
     MPI_Comm_rank(work_, &rank_);
     MPI_Comm_size(work_, &size_);
-    // Who is where: (pid, host) of every member, gathered through Boost.MPI.
     boost::mpi::communicator bc(work_, boost::mpi::comm_attach);
-    std::vector<std::pair<int, std::string>> all;
-    boost::mpi::all_gather(bc, std::make_pair(static_cast<int>(::getpid()), host_name()), all);
-    const std::string here = host_name();
+    const std::string here = host_name(), kernel = kernel_identity();
+    std::vector<std::pair<int, std::pair<std::string, std::string>>> all;
+    boost::mpi::all_gather(bc, std::make_pair(static_cast<int>(::getpid()), std::make_pair(here, kernel)), all);
+    std::vector<std::string> hosts;
+    for (const auto& member : all) hosts.push_back(member.second.first);
+    const Placement placement = place(hosts);
+    local_rank_ = placement.local_rank[static_cast<std::size_t>(rank_)];
+    node_rank_ = placement.node_rank[static_cast<std::size_t>(rank_)];
+    nodes_ = placement.nodes;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
-      peers_.push_back(Peer{r, all[static_cast<std::size_t>(r)].first, all[static_cast<std::size_t>(r)].second == here});
+      const auto& [pid, where] = all[static_cast<std::size_t>(r)];
+      peers_.push_back(Peer{r, pid, where.first, where.first == here && !kernel.empty() && where.second == kernel});
     }
     post_failure_receive();
     MpiRuntime::instance().close_at_exit([this] { close(); });
@@ -180,6 +233,8 @@ class MpiGroup {
   int size() const { return size_; }
   int local_rank() const { return local_rank_; }
   int node_rank() const { return node_rank_; }
+  /// The number of hosts the members run on.
+  int nodes() const { return nodes_; }
   MPI_Comm comm() const { return work_; }
   MPI_Comm parent() const { return parent_; }
   bool failed() const { return failed_; }
@@ -313,18 +368,18 @@ class MpiGroup {
 
   void check_peers_alive(MPI_Request& request) {
     for (const Peer& p : peers_) {
-      if (!p.same_host || !process_gone(p.pid)) continue;
+      if (!p.visible || !process_gone(p.pid)) continue;
       int done = 0;  // its last message may have completed our request before it left
       MPI_Test(&request, &done, MPI_STATUS_IGNORE);
       if (done) return;
       poll_failures();
-      on_failure(p.rank, "volt: rank " + std::to_string(p.rank) + " (pid " + std::to_string(p.pid) +
+      on_failure(p.rank, "volt: rank " + std::to_string(p.rank) + " (pid " + std::to_string(p.pid) + " on " + p.host +
                              ") ended without a message (killed or crashed) while rank " + std::to_string(rank_) +
                              " was waiting for it.");
     }
   }
 
-  int rank_ = 0, size_ = 1, local_rank_ = 0, node_rank_ = 0;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, node_rank_ = 0, nodes_ = 1;
   MPI_Comm work_ = MPI_COMM_NULL, failure_ = MPI_COMM_NULL, parent_ = MPI_COMM_NULL;
   std::vector<Peer> peers_;
   MPI_Request failure_request_ = MPI_REQUEST_NULL;

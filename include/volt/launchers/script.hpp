@@ -61,9 +61,7 @@ class Script {
       detail::mpi_check(MPI_Intercomm_merge(parent, /*high=*/1, &merged), "MPI_Intercomm_merge");
       runtime.disconnect_at_exit(parent);
       runtime.close_at_exit([merged]() mutable { MPI_Comm_free(&merged); });
-      int rank = 0;
-      MPI_Comm_rank(merged, &rank);
-      group = new detail::MpiGroup(merged, rank, 0);
+      group = new detail::MpiGroup(merged);
       return *group;
     }
     const cluster::Environment env = cluster::detect();
@@ -78,7 +76,7 @@ class Script {
                           ": they are not one MPI job. Start them with `mpirun -np " + std::to_string(env.world_size) +
                           "` or `srun`.");
       }
-      group = new detail::MpiGroup(MPI_COMM_WORLD, env.local_rank, env.node_rank);
+      group = new detail::MpiGroup(MPI_COMM_WORLD);
       return *group;
     }
     if (spec.num_nodes > 1) {
@@ -89,7 +87,7 @@ class Script {
     if (wanted > 1) detail::allow_oversubscription();
     runtime.ensure_initialized();
     if (wanted == 1) {
-      group = new detail::MpiGroup(MPI_COMM_SELF, 0, 0);
+      group = new detail::MpiGroup(MPI_COMM_SELF);
       return *group;
     }
     if (const auto threads = detail::threads_per_started_rank(wanted)) at::set_num_threads(*threads);  // rank 0's share
@@ -98,7 +96,7 @@ class Script {
     detail::mpi_check(MPI_Intercomm_merge(inter, /*high=*/0, &merged), "MPI_Intercomm_merge");
     runtime.disconnect_at_exit(inter);
     runtime.close_at_exit([merged]() mutable { MPI_Comm_free(&merged); });
-    group = new detail::MpiGroup(merged, 0, 0);
+    group = new detail::MpiGroup(merged);
     return *group;
   }
 };

@@ -66,7 +66,7 @@ class Spawn {
     }
     int rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    auto* group = new detail::MpiGroup(MPI_COMM_WORLD, rank, 0, parent);
+    auto* group = new detail::MpiGroup(MPI_COMM_WORLD, parent);
     procs = detail::Processes::of(*group);
     const int pid = static_cast<int>(::getpid());
     MPI_Send(&pid, static_cast<int>(sizeof pid), MPI_BYTE, 0, detail::kHelloTag, parent);

@@ -12,7 +12,8 @@
 //   distributed collectives                           Mpi's reduce-scatter and all-gather (mpirun, any world size)
 //   distributed predict <script|spawn> WORLD          predict (gathered, and written by PredictionWriter) and validate
 //                                                     on 1001 samples == a hand-written loop
-//   distributed fail <script|spawn> RANK STEP         rank RANK throws at step STEP (the job must end)
+//   distributed fail <script|spawn> RANK STEP [throw|die|stall]   rank RANK throws, is SIGKILLed or stalls (120 s,
+//                                                     alive) at step STEP (the job must end: --timeout S for a stall)
 //   distributed zero-inf STAGE                         ZeRO, a scaled loss, an inf on one rank: every rank skips the step
 //   distributed zero-unfreeze                          ZeRO<2> on 2 ranks, a layer unfrozen during the fit: refused
 //   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
@@ -21,6 +22,11 @@
 //   distributed gpu-ddp <script|spawn>                DDP<L, Nccl> with Bf16Mixed on one GPU (world size 1: NCCL
 //                                                     refuses two ranks on one device) == SingleDevice; exits 77
 //                                                     where CUDA or NCCL is missing
+//
+// Anywhere on the line before a "--": --timeout S (the collective timeout of the fail scenario), --world W (fit and the other
+// fixed-size scenarios: W ranks instead of 2) and --nodes N (the job spans N hosts: devices = world / N, num_nodes = N;
+// fit, zero and predict under Script then check every rank's rank, local rank and node rank against the hosts the
+// ranks run on).
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
@@ -63,6 +69,7 @@ void check(bool ok, const std::string& what) {
 constexpr int64_t kBatch = 4;  // per rank
 int g_world = 2;  // ranks in the scenarios that do not take a world size (--world changes it)
 int g_nodes = 1;  // hosts the job spans (--nodes: the cluster tests); every scenario asks for devices = world / nodes
+std::chrono::milliseconds g_timeout = std::chrono::minutes(30);  // the fail scenario's collective timeout (--timeout S)
 constexpr uint64_t kSeed = 11;
 
 std::pair<torch::Tensor, torch::Tensor> data(int64_t n) {
@@ -780,12 +787,21 @@ int metrics_scenario() {
   return failures == 0 ? 0 : 1;
 }
 
+/// Rank `fail_rank` fails at step `fail_step`, as `how` says: "throw" (an exception), "die" (SIGKILL to itself, as a
+/// crash or a kill: not a word to the others), "stall" (sleeps 120 s, alive: its heartbeats go on).
 struct FailNetImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
   int fail_rank, fail_step;
-  FailNetImpl(int r, int s) : fail_rank(r), fail_step(s) { lin = register_module("lin", torch::nn::Linear(4, 1)); }
+  std::string how;
+  FailNetImpl(int r, int s, std::string h) : fail_rank(r), fail_step(s), how(std::move(h)) {
+    lin = register_module("lin", torch::nn::Linear(4, 1));
+  }
   torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
     if (ctx.global_rank() == fail_rank && ctx.global_step() == fail_step) {
+      std::cerr << how << " at step " << fail_step << " on rank " << fail_rank << " (" << volt::detail::host_name()
+                << ", pid " << ::getpid() << ")" << std::endl;
+      if (how == "die") ::kill(::getpid(), SIGKILL);
+      if (how == "stall") std::this_thread::sleep_for(std::chrono::seconds(120));
       throw std::runtime_error("boom at step " + std::to_string(fail_step) + " on rank " + std::to_string(fail_rank));
     }
     return (lin(batch.data) - batch.target).pow(2).mean();
@@ -795,10 +811,11 @@ struct FailNetImpl : torch::nn::Module {
 TORCH_MODULE(FailNet);
 
 template <class L>
-int fail_scenario(int rank, int step) {
+int fail_scenario(int rank, int step, const std::string& how) {
   auto [x, y] = data(64);
-  FailNet net(rank, step);
-  volt::Trainer<volt::DDP<L>> trainer({.devices = g_world, .max_epochs = 1000});
+  FailNet net(rank, step, how);
+  volt::Trainer<volt::DDP<L>> trainer(
+      {.devices = g_world / g_nodes, .num_nodes = g_nodes, .max_epochs = 1000, .timeout = g_timeout});
   volt::data::TensorLoader loader(x, y, {.batch_size = 4, .shuffle = true});
   trainer.fit(net, loader);  // throws in every process
   std::cerr << "fit returned although a rank failed" << std::endl;
@@ -1032,9 +1049,11 @@ const Mode kModes[] = {
      [](const std::vector<std::string>& a) {
        return spawn_given(a) ? gpu_ddp_scenario<volt::Spawn, true>() : gpu_ddp_scenario<volt::Script, true>();
      }},
-    {"fail", "<script|spawn> rank step: that rank throws at that step", [](const std::vector<std::string>& a) {
+    {"fail", "<script|spawn> rank step [throw|die|stall]: that rank throws, is killed or stalls at that step",
+     [](const std::vector<std::string>& a) {
        const int rank = std::stoi(a.at(2)), step = std::stoi(a.at(3));
-       return spawn_given(a) ? fail_scenario<volt::Spawn>(rank, step) : fail_scenario<volt::Script>(rank, step);
+       const std::string how = a.size() > 4 && a[4].rfind("volt_fail_token", 0) != 0 ? a[4] : "throw";
+       return spawn_given(a) ? fail_scenario<volt::Spawn>(rank, step, how) : fail_scenario<volt::Script>(rank, step, how);
      }},
     {"expect-failure", "timeout message -- command...: the command ends within timeout, with message, leaving no process",
      [](const std::vector<std::string>& a) {
@@ -1058,10 +1077,13 @@ int usage(const std::string& given) {
 int main(int argc, char** argv) {
   at::set_num_threads(1);  // one intra-op thread per rank: 2 ranks on 2 cores
   std::vector<std::string> a(argv + 1, argv + argc);
-  for (const char* flag : {"--world", "--nodes"}) {  // anywhere on the line, for every scenario
-    const auto at = std::find(a.begin(), a.end(), flag);
-    if (at == a.end() || at + 1 == a.end()) continue;
-    (std::string(flag) == "--world" ? g_world : g_nodes) = std::stoi(*(at + 1));
+  for (const char* flag : {"--world", "--nodes", "--timeout"}) {  // anywhere before a "--", for every scenario
+    const auto end = std::find(a.begin(), a.end(), std::string("--"));  // after it: another command's words
+    const auto at = std::find(a.begin(), end, flag);
+    if (at == end || at + 1 == end) continue;
+    const std::string f = flag;
+    if (f == "--timeout") g_timeout = std::chrono::milliseconds(static_cast<int64_t>(std::stod(*(at + 1)) * 1000));
+    if (f == "--world" || f == "--nodes") (f == "--world" ? g_world : g_nodes) = std::stoi(*(at + 1));
     a.erase(at, at + 2);
   }
   if (a.empty()) return usage("");

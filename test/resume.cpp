@@ -329,13 +329,21 @@ int spawn_exact(const std::string& dir) {
   return 0;
 }
 
-/// Records which samples each rank trains on, per epoch.
+/// Records which samples each rank trains on, per epoch, as it trains on them: a line "epoch sample step" in
+/// `<record>.rank<R>` (flushed at once, so that a rank killed keeps what it saw); sleeps `delay_ms` after each batch.
 struct IndexModelImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
-  std::vector<std::pair<int64_t, int64_t>> seen;  // (epoch, sample)
+  std::string record;
+  int delay_ms = 0;
+  std::ofstream out;
   IndexModelImpl() { lin = register_module("lin", torch::nn::Linear(2, 1)); }
   torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
-    for (int64_t i = 0; i < b.target.size(0); ++i) seen.emplace_back(ctx.current_epoch(), b.target[i].item<int64_t>());
+    if (!record.empty() && !out.is_open()) out.open(record + ".rank" + std::to_string(ctx.global_rank()));
+    for (int64_t i = 0; i < b.target.size(0); ++i) {
+      if (out.is_open()) out << ctx.current_epoch() << " " << b.target[i].item<int64_t>() << " " << ctx.global_step() << "\n";
+    }
+    out.flush();
+    if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     return lin(b.data * torch::tensor({1.0f, -0.5f}) / 48.0).pow(2).mean();  // the two weights' gradients differ
   }
   torch::optim::Adam configure_optimizers() { return torch::optim::Adam(parameters(), torch::optim::AdamOptions(0.01)); }
@@ -356,19 +364,20 @@ template <class Trainer>
 int index_fit_with(Trainer& trainer, const std::string& record, const std::string& ckpt) {
   torch::manual_seed(7);  // the same first weights in every run (the strategies' runs are compared)
   IndexModel model;
+  model->record = record;
+  if (const char* delay = std::getenv("VOLT_TEST_DELAY_MS")) model->delay_ms = std::atoi(delay);
   volt::data::DatasetLoader loader(vt::IndexDataset(48).map(torch::data::transforms::Stack<>()),
                                    {.batch_size = 4, .shuffle = true, .seed = 5});
   trainer.fit(model, loader, volt::NoLoader{}, ckpt);
-  std::ofstream out(record + ".rank" + std::to_string(trainer.strategy().global_rank()));
-  for (const auto& [epoch, i] : model->seen) out << epoch << " " << i << "\n";
   return 0;
 }
 
 // resume index-fit <ddp|zero1|zero2> <ranks> <dir> <record> <max_steps> [ckpt]: one rank runs SingleDevice; a resumed
-// run saves <record>.start.ckpt as its training starts
+// run saves <record>.start.ckpt as its training starts. The ranks span VOLT_TEST_NODES hosts where that is set.
 int index_fit(const std::string& strategy, int ranks, const std::string& dir, const std::string& record,
               int64_t max_steps, const std::string& ckpt) {
-  const volt::TrainerOptions o{.devices = ranks, .max_epochs = 2, .max_steps = max_steps};
+  const int nodes = ranks > 1 && std::getenv("VOLT_TEST_NODES") ? std::atoi(std::getenv("VOLT_TEST_NODES")) : 1;
+  const volt::TrainerOptions o{.devices = ranks / nodes, .num_nodes = nodes, .max_epochs = 2, .max_steps = max_steps};
   volt::ModelCheckpoint every_step({.dirpath = dir, .save_top_k = 0, .save_last = true, .every_n_train_steps = 1});
   const SaveAtStart start{ckpt.empty() ? std::string() : record + ".start.ckpt"};
   auto with = [&]<class S>(S*) {
@@ -382,13 +391,17 @@ int index_fit(const std::string& strategy, int ranks, const std::string& dir, co
   return with(static_cast<volt::DDP<volt::Script, volt::Mpi>*>(nullptr));
 }
 
-std::map<std::pair<int64_t, int64_t>, int> read_records(const std::string& prefix, int ranks) {
+/// How often each (epoch, sample) was trained on by the `ranks` ranks whose records start with `prefix`, counting only
+/// the batches before optimizer step `before` (all when -1).
+std::map<std::pair<int64_t, int64_t>, int> read_records(const std::string& prefix, int ranks, int64_t before = -1) {
   std::map<std::pair<int64_t, int64_t>, int> count;
   for (int r = 0; r < ranks; ++r) {
     std::ifstream in(prefix + ".rank" + std::to_string(r));
     if (!in) fail("no record " + prefix + ".rank" + std::to_string(r));
-    int64_t e = 0, i = 0;
-    while (in >> e >> i) ++count[{e, i}];
+    int64_t e = 0, i = 0, step = 0;
+    while (in >> e >> i >> step) {
+      if (before < 0 || step < before) ++count[{e, i}];
+    }
   }
   return count;
 }
@@ -690,6 +703,80 @@ std::string job_field(const std::string& cluster, const std::string& job, const 
   return line.substr(start, line.find(' ', start) - start);
 }
 
+// resume node-loss <dir> <cluster-dir>: a host lost in the middle of a 2-host job, and the job submitted again on the
+// host left. index-fit (DDP, one rank on each of 2 emulated hosts under srun, KillOnBadExit=0, a checkpoint after every
+// step, 150 ms per batch) loses node2's link after a few steps: both ranks must end by themselves (volt's heartbeats)
+// and the job with them. The link comes back; the job runs again on one host with "last" and resumes from the last
+// checkpoint the 2 ranks wrote: every sample of both epochs is trained on exactly once (the lost run's batches before
+// that checkpoint's step, the resumed run's after it).
+int node_loss_case(const std::string& dir, const std::string& cluster) {
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::string prefix;
+  {
+    std::ifstream env(cluster + "/env");
+    for (std::string line; std::getline(env, line);) {
+      const std::string key = "export VOLT_CLUSTER_PREFIX='";
+      if (line.rfind(key, 0) == 0) prefix = line.substr(key.size(), line.size() - key.size() - 1);
+    }
+  }
+  if (prefix.empty()) fail("no cluster in " + cluster);
+  const std::string on = cluster + "/bin/on", last = dir + "/ckpt/last.ckpt";
+  auto link = [&](const char* state) { return run({"ip", "-n", prefix + "n2", "link", "set", "eth0", state}); };
+  const Child job = start({on, "head", "srun", "-N2", "-n2", "--mpi=pmix", "--kill-on-bad-exit=0", self_exe(),
+                           "index-fit", "ddp", "2", dir + "/ckpt", dir + "/part1", "-1"},
+                          false, {"VOLT_TEST_NODES=2", "VOLT_TEST_DELAY_MS=150"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!fs::exists(last)) {
+    if (std::chrono::steady_clock::now() > deadline) fail("no checkpoint was written in 60 s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::mt19937 rng(std::random_device{}());
+  std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(300, 1500)(rng)));
+  link("down");
+  const auto cut = std::chrono::steady_clock::now();
+  int status = 0;
+  pid_t ended = 0;
+  const auto since_cut = [&] { return std::chrono::steady_clock::now() - cut; };
+  while ((ended = ::waitpid(job.pid, &status, WNOHANG)) == 0 && since_cut() < std::chrono::seconds(40)) {
+    // srun hears of node2's rank only once the link is back: bring it back once the ranks had time to end
+    if (since_cut() > std::chrono::seconds(20)) link("up");
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  link("up");
+  if (ended != job.pid) {
+    ::kill(job.pid, SIGKILL);
+    ::waitpid(job.pid, &status, 0);
+    fail("the job did not end within 40 s of the cut");
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - cut).count();
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) fail("the job that lost a host exited 0");
+  for (int i = 0; run({cluster + "/bin/check"}) != 0; ++i) {
+    if (i == 150) fail("the cluster did not come back after the link");
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  const int64_t saved = volt::checkpoint::read(last).at("loops").toGenericDict().at("global_step").toInt();
+  if (run({on, "head", "srun", "-N1", "-n1", "--mpi=pmix", self_exe(), "index-fit", "ddp", "1", dir + "/ckpt",
+           dir + "/part2", "-1", "last"}) != 0) {
+    fail("the job submitted again on one host failed");
+  }
+  auto count = read_records(dir + "/part1", 2, saved);
+  for (const auto& [k, n] : read_records(dir + "/part2", 1)) count[k] += n;
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    for (int64_t i = 0; i < 48; ++i) {
+      if (count[{epoch, i}] != 1) {
+        fail("epoch " + std::to_string(epoch) + ": sample " + std::to_string(i) + " trained on " +
+             std::to_string(count[{epoch, i}]) + " times");
+      }
+    }
+  }
+  if (count.size() != 96) fail("samples outside the data set were recorded");
+  std::cout << "node loss: node2's link cut after step " << saved << "'s checkpoint; the 2-host job ended " << took
+            << " s later; submitted again on one host, it resumed from \"last\" (step " << saved
+            << "): every sample of both epochs trained on exactly once  match" << std::endl;
+  return 0;
+}
+
 // resume requeue <dir> <cluster-dir> srun|mpirun [-- <mpirun...>]: SLURM's requeue for real, on the emulated cluster
 // (test/cluster/up.sh). The 2-rank sig-fit, one rank on each of 2 hosts, is submitted with `sbatch --requeue`, its
 // batch script starting the ranks with `srun --mpi=pmix` or `exec mpirun`, always with "last" (nothing to resume the
@@ -819,6 +906,9 @@ const Mode kModes[] = {
      [](const std::vector<std::string>& a, int argc, char** argv) {
        return signal_case(a[2], a[3], a[2] == "single" || a[2] == "spawn" ? std::vector<std::string>{}
                                                                            : after_dashes(argc, argv));
+     }},
+    {"node-loss", 2, "<dir> <cluster-dir>", [](const std::vector<std::string>& a, int, char**) {
+       return node_loss_case(a[2], a[3]);
      }},
     {"requeue", 3, "<dir> <cluster-dir> srun|mpirun -- <mpirun...>",
      [](const std::vector<std::string>& a, int argc, char** argv) {

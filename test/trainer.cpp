@@ -511,6 +511,7 @@ TEST_CASE("run-time settings are checked before anything runs", "[trainer][confi
   CHECK_THROWS_WITH(T({.devices = 2}), Contains("devices=2") && Contains("DDP"));
   CHECK_THROWS_WITH(T({.devices = 0}), Contains("devices=0"));
   CHECK_THROWS_WITH(T({.max_time = std::chrono::seconds(0)}), StartsWith("volt: max_time=0ms is not allowed"));
+  CHECK_THROWS_WITH(T({.timeout = std::chrono::seconds(0)}), StartsWith("volt: timeout=0 ms is not allowed"));
   CHECK_THROWS_AS(T({.max_epochs = -2}), volt::ConfigError);
   CHECK_NOTHROW(T({.max_epochs = -1, .max_steps = 10, .limit_train_batches = 0.25}));
   if (!torch::cuda::is_available()) {

@@ -387,6 +387,35 @@ TEST_CASE("local and node ranks from the members' hosts, whatever the mapping", 
   CHECK(place({"solo"}).nodes == 1);
 }
 
+TEST_CASE("the flight recorder numbers, tags and describes collectives; heartbeats carry its progress", "[unit][dist]") {
+  using volt::detail::Collective;
+  volt::detail::FlightRecorder r;
+  volt::detail::collective_tag().step = 7;
+  const uint64_t a = r.issue(Collective::all_reduce, 4096);
+  uint64_t b = 0;
+  {
+    const volt::detail::BucketTag tag(2);
+    b = r.issue(Collective::reduce_scatter, 512);
+  }
+  const uint64_t c = r.issue(Collective::barrier, 0);
+  volt::detail::collective_tag().step = -1;
+  CHECK((a == 1 && b == 2 && c == 3));
+  r.complete(a);
+  r.complete(b);
+  CHECK(volt::detail::describe(r.entry(b)) == "reduce-scatter #2 (step 7, bucket 2, 512 bytes)");
+  CHECK(volt::detail::describe(r.entry(c)) == "barrier #3 (step 7, 0 bytes)");
+  const volt::detail::Progress p = r.progress();  // what a heartbeat carries
+  CHECK((p.issued() == 3 && p.completed() == 2));
+  CHECK(p.last_issued() == "barrier #3 (step 7, 0 bytes)");
+  const std::string recent = r.recent(2);
+  CHECK_THAT(recent, StartsWith("reduce-scatter #2 (step 7, bucket 2, 512 bytes), done in 0.0 s; barrier #3"));
+  CHECK_THAT(recent, Contains("in flight for"));
+  // Only the last 32 are kept: the 33rd issue overwrites the first.
+  for (int i = 0; i < 30; ++i) r.issue(Collective::broadcast, 8);
+  CHECK(r.entry(1).seq == 0);
+  CHECK(r.entry(33).seq == 33);
+}
+
 TEST_CASE("DDP at world size 1 (MPI singleton, real reducer) trains as SingleDevice", "[unit][dist]") {
   auto [x, y] = vt::regression_data(64);
   vt::Regressor a, b;

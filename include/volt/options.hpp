@@ -181,6 +181,12 @@ struct TrainerOptions {
   std::string default_root_dir = ".";
   /// SIGTERM, SIGINT and the requeue signal during fit: checkpoint, flush, requeue, exit (SignalOptions).
   SignalOptions signals = {};
+  /// Distributed strategies: how long a collective may wait for the other ranks before the job ends, as the
+  /// `timeout` of Lightning's DDPStrategy (and PyTorch's process groups): 30 minutes. Every rank that can still act
+  /// ends with `volt::RankFailure`, whose message names the rank and host that waited, the collective (kind, number,
+  /// step, bucket), the ranks that had not issued it and the waiting rank's last collectives. A rank not heard from at
+  /// all (its process, host or link gone) ends the job sooner: after 15 s of silence, or this timeout when shorter.
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
 };
 
 namespace detail {
@@ -205,6 +211,8 @@ inline void validate_options(const TrainerOptions& o) {
   using detail::require;
   require(o.devices >= 1, quote("devices", o.devices) + " is not allowed: give at least 1.");
   require(o.num_nodes >= 1, quote("num_nodes", o.num_nodes) + " is not allowed: give at least 1.");
+  require(o.timeout.count() > 0, "timeout=" + std::to_string(o.timeout.count()) +
+                                     " ms is not allowed: give a positive time (Lightning's default: 30 minutes).");
   if (o.max_epochs) {
     require(*o.max_epochs >= -1,
             quote("max_epochs", *o.max_epochs) + " is not allowed: give -1 (no epoch limit) or a number >= 0.");

@@ -8,7 +8,8 @@
 # DIR. Filesystem, users and process IDs stay shared, as on a cluster with a shared home.
 #
 # Written under DIR for the tests: env (SLURM_CONF, the namespace names), bin/on HOST CMD... (runs CMD on a host:
-# node1.., or head), bin/agent (Open MPI's plm_rsh_agent), skip (why there is no cluster, when there cannot be one).
+# node1.., or head), bin/agent (Open MPI's plm_rsh_agent), bin/check (exit 0 when the cluster is up), skip (why there
+# is no cluster, when there cannot be one).
 # Idempotent: a cluster already up in DIR is left as it is; a half-made one is taken down first (down.sh).
 # Exits 77, with the reason in DIR/skip, where this machine cannot make one (not root, no `ip netns`, no SLURM).
 set -euo pipefail
@@ -42,6 +43,7 @@ bash "$here/down.sh" "$dir" >/dev/null 2>&1 || true
 ip netns add "${prefix}probe" 2>/dev/null || skip "\`ip netns add\` failed: this machine cannot make network namespaces"
 ip netns del "${prefix}probe"
 
+rm -rf "$dir"/{bin,etc,log,run,munge,state}  # a fresh cluster: no jobs, nodes or keys of an earlier one
 mkdir -p "$dir"/{bin,etc,log,run,uts,munge,state/ctld}
 chmod 755 "$dir" "$dir/munge"
 trap 'echo "volt cluster: setting up failed; taking it down" >&2; bash "$here/down.sh" "$dir" >&2 || true' ERR
@@ -100,7 +102,12 @@ cat > "$dir/bin/agent" <<EOF
 host=\$1; shift
 exec '$dir/bin/on' "\$host" sh -c "\$*"
 EOF
-chmod 755 "$dir/bin/on" "$dir/bin/agent"
+# bin/check: whether the cluster is up (check.sh), for test drivers that only know DIR.
+cat > "$dir/bin/check" <<EOF
+#!/bin/sh
+exec bash '$here/check.sh' '$dir' > /dev/null
+EOF
+chmod 755 "$dir/bin/on" "$dir/bin/agent" "$dir/bin/check"
 
 # munge: one daemon, its own key and socket.
 dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
@@ -145,7 +152,7 @@ PartitionName=main Nodes=node[1-$nodes] Default=YES MaxTime=INFINITE State=UP Ov
 EOF
 for i in $(seq 1 "$nodes"); do mkdir -p "$dir/state/node$i/spool" "$dir/state/node$i/tmp"; done
 
-"$dir/bin/on" head slurmctld -f "$dir/etc/slurm.conf"
+"$dir/bin/on" head slurmctld -c -f "$dir/etc/slurm.conf"
 for i in $(seq 1 "$nodes"); do "$dir/bin/on" "node$i" slurmd -f "$dir/etc/slurm.conf"; done
 
 # Up when every node is idle.

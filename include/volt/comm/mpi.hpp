@@ -74,12 +74,15 @@ class Mpi {
   class Work {
    public:
     Work() = default;
-    Work(detail::MpiGroup* group, torch::Tensor target, torch::Tensor buffer, Reduce op, torch::Tensor input = {})
-        : group_(group), target_(std::move(target)), buffer_(std::move(buffer)), input_(std::move(input)), op_(op) {}
+    /// Records the collective (`kind`, the bytes of `buffer`) in the group's flight recorder.
+    Work(detail::MpiGroup* group, detail::Collective kind, torch::Tensor target, torch::Tensor buffer, Reduce op,
+         torch::Tensor input = {})
+        : group_(group), target_(std::move(target)), buffer_(std::move(buffer)), input_(std::move(input)), op_(op),
+          seq_(group->record(kind, static_cast<int64_t>(buffer_.nbytes()))) {}
     MPI_Request* request() { return &request_; }
     void wait() {
       if (group_ == nullptr) return;
-      group_->wait(request_);
+      group_->wait(request_, seq_);
       if (op_ == Reduce::mean) buffer_.div_(group_->size());
       if (buffer_.unsafeGetTensorImpl() != target_.unsafeGetTensorImpl()) target_.copy_(buffer_.view_as(target_));
       group_ = nullptr;
@@ -90,6 +93,7 @@ class Mpi {
     detail::MpiGroup* group_ = nullptr;
     torch::Tensor target_, buffer_, input_;
     Reduce op_ = Reduce::sum;
+    uint64_t seq_ = 0;
     MPI_Request request_ = MPI_REQUEST_NULL;
   };
 
@@ -103,7 +107,7 @@ class Mpi {
     check_mean(t, op);
     if (group_ == nullptr) return Work();
     torch::Tensor buffer = detail::mpi_buffer(t);
-    Work work(group_, t, buffer, op);
+    Work work(group_, detail::Collective::all_reduce, t, buffer, op);
     detail::mpi_check(MPI_Iallreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(buffer.numel()),
                                      detail::mpi_type(buffer.scalar_type()), detail::mpi_op(op), group_->comm(),
                                      work.request()),
@@ -118,10 +122,11 @@ class Mpi {
     if (group_ == nullptr) return;
     torch::Tensor buffer = detail::mpi_buffer(t);
     MPI_Request request;
+    const uint64_t seq = group_->record(detail::Collective::broadcast, static_cast<int64_t>(buffer.nbytes()));
     detail::mpi_check(MPI_Ibcast(buffer.data_ptr(), static_cast<int>(buffer.numel()),
                                  detail::mpi_type(buffer.scalar_type()), root, group_->comm(), &request),
                       "MPI_Ibcast");
-    group_->wait(request);
+    group_->wait(request, seq);
     if (buffer.unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) t.copy_(buffer.view_as(t));
   }
 
@@ -134,10 +139,11 @@ class Mpi {
     torch::Tensor out = torch::empty(shape, buffer.options());
     MPI_Request request;
     const MPI_Datatype type = detail::mpi_type(buffer.scalar_type());
+    const uint64_t seq = group_->record(detail::Collective::all_gather, static_cast<int64_t>(buffer.nbytes()));
     detail::mpi_check(MPI_Iallgather(buffer.data_ptr(), static_cast<int>(buffer.numel()), type, out.data_ptr(),
                                      static_cast<int>(buffer.numel()), type, group_->comm(), &request),
                       "MPI_Iallgather");
-    group_->wait(request);
+    group_->wait(request, seq);
     return out.to(t.options());
   }
 
@@ -150,7 +156,7 @@ class Mpi {
     if (group_ == nullptr) return Work();
     torch::Tensor input = detail::mpi_buffer(flat);
     torch::Tensor block = torch::empty({n}, input.options());
-    Work work(group_, detail::block_of(flat, rank(), size()), block, op, input);
+    Work work(group_, detail::Collective::reduce_scatter, detail::block_of(flat, rank(), size()), block, op, input);
     detail::mpi_check(MPI_Ireduce_scatter_block(input.data_ptr(), block.data_ptr(), static_cast<int>(n),
                                                 detail::mpi_type(input.scalar_type()), detail::mpi_op(op),
                                                 group_->comm(), work.request()),
@@ -166,7 +172,7 @@ class Mpi {
     const int64_t n = detail::block_numel(flat, size(), "all-gather", kMaxBlock);
     if (group_ == nullptr) return Work();
     torch::Tensor buffer = flat.is_cpu() && flat.is_contiguous() ? flat : flat.to(torch::kCPU).contiguous();
-    Work work(group_, flat, buffer, Reduce::sum);
+    Work work(group_, detail::Collective::all_gather, flat, buffer, Reduce::sum);
     const int bytes = static_cast<int>(n * buffer.element_size());
     detail::mpi_check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data_ptr(), bytes, MPI_BYTE,
                                      group_->comm(), work.request()),
@@ -178,8 +184,9 @@ class Mpi {
   void barrier() {
     if (group_ == nullptr) return;
     MPI_Request request;
+    const uint64_t seq = group_->record(detail::Collective::barrier, 0);
     detail::mpi_check(MPI_Ibarrier(group_->comm(), &request), "MPI_Ibarrier");
-    group_->wait(request);
+    group_->wait(request, seq);
   }
 
  private:

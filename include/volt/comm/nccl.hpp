@@ -15,6 +15,9 @@
 #include <nccl.h>
 #include <torch/types.h>
 
+#include <deque>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -22,6 +25,71 @@
 namespace volt {
 
 namespace detail {
+/// The collective timeout for NCCL, as PyTorch's NCCL watchdog: each collective records a CUDA event after it on its
+/// stream; the group's heartbeat thread (watchdog.hpp) polls the events in order, marks them complete in the flight
+/// recorder, and when the oldest has been in flight for longer than the timeout aborts the communicator
+/// (`ncclCommAbort`, which ends the kernels still waiting for peers) and reports it; the rank's next host wait ends
+/// the job with that message.
+class NcclWatch {
+ public:
+  NcclWatch(ncclComm_t comm, MpiGroup& group) : comm_(comm), group_(&group) {}
+  /// After a collective was queued on `stream` (its number `seq`).
+  void queued(uint64_t seq, cudaStream_t stream) {
+    cudaEvent_t event = nullptr;
+    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) return;
+    cudaEventRecord(event, stream);
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.push_back({seq, event, Clock::now()});
+  }
+  /// On the heartbeat thread: "" while every collective completes in time.
+  std::string poll() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (comm_ != nullptr && !pending_.empty()) {
+      const InFlight oldest = pending_.front();
+      const cudaError_t state = cudaEventQuery(oldest.event);
+      if (state == cudaSuccess) {
+        group_->recorder().complete(oldest.seq);
+        cudaEventDestroy(oldest.event);
+        pending_.pop_front();
+        continue;
+      }
+      if (state == cudaErrorNotReady && Clock::now() - oldest.issued < group_->timeout()) return "";
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+      aborted_ = true;
+      const FlightEntry e = group_->recorder().entry(oldest.seq);
+      return "volt: rank " + std::to_string(group_->rank()) + " on " + host_name() + ": NCCL " +
+             (e.seq != 0 ? describe(e) : "collective #" + std::to_string(oldest.seq)) +
+             (state == cudaErrorNotReady ? " did not complete on the GPU within the collective timeout "
+                                           "(TrainerOptions::timeout, " + seconds_text(group_->timeout()) + ")"
+                                         : std::string(" failed: ") + cudaGetErrorString(state)) +
+             "; its communicator was aborted. Rank " + std::to_string(group_->rank()) + "'s last collectives: " +
+             group_->recorder().recent(6) + ".";
+    }
+    return "";
+  }
+  /// The backend is going: nothing more to watch. Returns whether the watch aborted the communicator already.
+  bool close() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    comm_ = nullptr;
+    for (const InFlight& f : pending_) cudaEventDestroy(f.event);
+    pending_.clear();
+    return aborted_;
+  }
+
+ private:
+  struct InFlight {
+    uint64_t seq;
+    cudaEvent_t event;
+    Clock::time_point issued;
+  };
+  std::mutex mutex_;
+  ncclComm_t comm_;
+  MpiGroup* group_;
+  std::deque<InFlight> pending_;
+  bool aborted_ = false;
+};
+
 inline void nccl_check(ncclResult_t r, const char* what) {
   if (r != ncclSuccess) throw std::runtime_error(std::string("volt: ") + what + " failed: " + ncclGetErrorString(r));
 }
@@ -77,11 +145,16 @@ class Nccl {
     }
     c10::cuda::CUDAGuard guard(device);
     detail::nccl_check(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank");
+    if (group != nullptr) {
+      watch_ = std::make_shared<detail::NcclWatch>(comm_, *group);
+      group->add_watcher([watch = watch_] { return watch->poll(); });
+    }
   }
   Nccl(const Nccl&) = delete;
   Nccl& operator=(const Nccl&) = delete;
   ~Nccl() {
     if (comm_ == nullptr) return;
+    if (watch_ != nullptr && watch_->close()) return;  // the watch aborted it
     if (group_ != nullptr && group_->failed()) {
       ncclCommAbort(comm_);
     } else {
@@ -94,9 +167,10 @@ class Nccl {
 
   Work iall_reduce_(const torch::Tensor& t, Reduce op) {
     with_contiguous(t, [&](const torch::Tensor& c) {
-      detail::nccl_check(ncclAllReduce(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()),
-                                       detail::nccl_type(c.scalar_type()), detail::nccl_op(op), comm_, stream(c)),
-                         "ncclAllReduce");
+      issue(detail::Collective::all_reduce, c, [&] {
+        return ncclAllReduce(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()),
+                             detail::nccl_type(c.scalar_type()), detail::nccl_op(op), comm_, stream(c));
+      });
     });
     return {};
   }
@@ -104,9 +178,10 @@ class Nccl {
 
   void broadcast_(const torch::Tensor& t, int root = 0) {
     with_contiguous(t, [&](const torch::Tensor& c) {
-      detail::nccl_check(ncclBroadcast(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()),
-                                       detail::nccl_type(c.scalar_type()), root, comm_, stream(c)),
-                         "ncclBroadcast");
+      issue(detail::Collective::broadcast, c, [&] {
+        return ncclBroadcast(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()),
+                             detail::nccl_type(c.scalar_type()), root, comm_, stream(c));
+      });
     });
   }
 
@@ -116,9 +191,10 @@ class Nccl {
     std::vector<int64_t> shape{static_cast<int64_t>(size())};
     for (int64_t s : t.sizes()) shape.push_back(s);
     torch::Tensor out = torch::empty(shape, c.options());
-    detail::nccl_check(ncclAllGather(c.data_ptr(), out.data_ptr(), static_cast<size_t>(c.numel()),
-                                     detail::nccl_type(c.scalar_type()), comm_, stream(c)),
-                       "ncclAllGather");
+    issue(detail::Collective::all_gather, c, [&] {
+      return ncclAllGather(c.data_ptr(), out.data_ptr(), static_cast<size_t>(c.numel()),
+                           detail::nccl_type(c.scalar_type()), comm_, stream(c));
+    });
     return out;
   }
 
@@ -128,10 +204,10 @@ class Nccl {
     check(flat);
     const int64_t n = detail::block_numel(flat, size(), "reduce-scatter");
     char* base = static_cast<char*>(flat.data_ptr());
-    detail::nccl_check(ncclReduceScatter(base, base + rank() * n * flat.element_size(), static_cast<size_t>(n),
-                                         detail::nccl_type(flat.scalar_type()), detail::nccl_op(op), comm_,
-                                         stream(flat)),
-                       "ncclReduceScatter");
+    issue(detail::Collective::reduce_scatter, flat, [&] {
+      return ncclReduceScatter(base, base + rank() * n * flat.element_size(), static_cast<size_t>(n),
+                               detail::nccl_type(flat.scalar_type()), detail::nccl_op(op), comm_, stream(flat));
+    });
     return {};
   }
   void reduce_scatter_(const torch::Tensor& flat, Reduce op) { ireduce_scatter_(flat, op); }
@@ -142,9 +218,10 @@ class Nccl {
     check(flat);
     const int64_t n = detail::block_numel(flat, size(), "all-gather");
     char* base = static_cast<char*>(flat.data_ptr());
-    detail::nccl_check(ncclAllGather(base + rank() * n * flat.element_size(), base, static_cast<size_t>(n),
-                                     detail::nccl_type(flat.scalar_type()), comm_, stream(flat)),
-                       "ncclAllGather");
+    issue(detail::Collective::all_gather, flat, [&] {
+      return ncclAllGather(base + rank() * n * flat.element_size(), base, static_cast<size_t>(n),
+                           detail::nccl_type(flat.scalar_type()), comm_, stream(flat));
+    });
     return {};
   }
   void all_gather_(const torch::Tensor& flat) { iall_gather_(flat); }
@@ -162,6 +239,14 @@ class Nccl {
     }
   }
   static cudaStream_t stream(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+  /// Queues one NCCL collective on `t`'s stream (`call` returns its result), recorded in the group's flight recorder
+  /// and watched until it completes.
+  template <class F>
+  void issue(detail::Collective kind, const torch::Tensor& t, F&& call) {
+    const uint64_t seq = group_ != nullptr ? group_->record(kind, static_cast<int64_t>(t.nbytes())) : 0;
+    detail::nccl_check(call(), (std::string("NCCL ") + detail::to_string(kind)).c_str());
+    if (watch_ != nullptr) watch_->queued(seq, stream(t));
+  }
   template <class F>
   void with_contiguous(const torch::Tensor& t, F&& f) {
     check(t);
@@ -177,6 +262,7 @@ class Nccl {
   detail::MpiGroup* group_;
   torch::Device device_;
   ncclComm_t comm_ = nullptr;
+  std::shared_ptr<detail::NcclWatch> watch_;
 };
 
 static_assert(CollectiveBackend<Nccl>);

@@ -7,9 +7,16 @@
 ///  - a failure channel: a rank whose body throws sends its message to every other member (and to a Spawn
 ///    parent) before it rethrows; a waiting member throws `volt::RankFailure` carrying that message;
 ///  - the peers' processes: members on the same host whose PIDs this process can see (`Peer::visible`) are checked
-///    with `kill(pid, 0)`, so a peer that died without a word (a crash, SIGKILL) is noticed too.
+///    with `kill(pid, 0)`, so a peer that died without a word (a crash, SIGKILL) is noticed at once;
+///  - the peers' heartbeats (watchdog.hpp): a member on any host not heard from for `Heartbeat::kSilentLimit` (or the
+///    timeout, when shorter) is gone, and the waiting member says so, announces it and throws `RankFailure`;
+///  - the collective timeout (`TrainerOptions::timeout`, Lightning's 30 minutes): a collective not complete by then
+///    ends the job with one message naming this rank and host, the collective (kind, number, step, bucket), the
+///    members that had not issued it yet (from their heartbeats) and this rank's last collectives.
 /// A process whose group failed never calls `MPI_Finalize` (it would wait for the dead), so the job ends
 /// with the failing rank's message and a non-zero exit instead of a hang.
+
+#include "volt/comm/watchdog.hpp"
 
 #include <boost/mpi/communicator.hpp>
 #include <boost/mpi/collectives/all_gather.hpp>
@@ -206,6 +213,8 @@ class MpiGroup {
   explicit MpiGroup(MPI_Comm comm, MPI_Comm parent = MPI_COMM_NULL) : parent_(parent) {
     mpi_check(MPI_Comm_dup(comm, &work_), "MPI_Comm_dup");
     mpi_check(MPI_Comm_dup(comm, &failure_), "MPI_Comm_dup");
+    mpi_check(MPI_Comm_dup(comm, &beat_), "MPI_Comm_dup");
+    for (MPI_Comm c : {work_, failure_, beat_}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);  // errors are thrown
     MPI_Comm_rank(work_, &rank_);
     MPI_Comm_size(work_, &size_);
     boost::mpi::communicator bc(work_, boost::mpi::comm_attach);
@@ -224,6 +233,8 @@ class MpiGroup {
       peers_.push_back(Peer{r, pid, where.first, where.first == here && !kernel.empty() && where.second == kernel});
     }
     post_failure_receive();
+    heartbeat_ = std::make_unique<Heartbeat>(beat_, recorder_);
+    heartbeat_->start();
     MpiRuntime::instance().close_at_exit([this] { close(); });
   }
   MpiGroup(const MpiGroup&) = delete;
@@ -239,30 +250,46 @@ class MpiGroup {
   MPI_Comm parent() const { return parent_; }
   bool failed() const { return failed_; }
 
-  /// Waits for `request`, throwing RankFailure if another member fails or dies meanwhile.
-  void wait(MPI_Request& request) {
+  /// How long a collective may wait before the job ends (TrainerOptions::timeout).
+  void set_timeout(Clock::duration timeout) { timeout_ = timeout; }
+  Clock::duration timeout() const { return timeout_; }
+  /// Records a collective about to be issued on `comm()` (or by a backend of this group); returns its number for wait.
+  uint64_t record(Collective kind, int64_t bytes) { return recorder_.issue(kind, bytes); }
+  const FlightRecorder& recorder() const { return recorder_; }
+  FlightRecorder& recorder() { return recorder_; }
+  /// Adds a check the heartbeat thread runs at every beat (a backend's device work); a message it returns ends the
+  /// job at this rank's next wait.
+  void add_watcher(Heartbeat::Watcher w) { heartbeat_->add_watcher(std::move(w)); }
+
+  /// Waits for `request` (collective number `seq`, 0 for none), throwing RankFailure if another member fails, dies or
+  /// falls silent meanwhile, or when the timeout passes.
+  void wait(MPI_Request& request, uint64_t seq = 0) {
     int done = 0;
-    auto next_check = std::chrono::steady_clock::now();
+    const auto started = Clock::now();
+    auto next_check = started;
     for (;;) {
       mpi_check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
-      if (done) return;
+      if (done) break;
       poll_failures();
-      const auto now = std::chrono::steady_clock::now();
+      const auto now = Clock::now();
       if (now >= next_check) {
         next_check = now + std::chrono::milliseconds(100);
-        check_peers_alive(request);
-        if (request == MPI_REQUEST_NULL) return;
+        check_peers_alive(request, seq);
+        if (request == MPI_REQUEST_NULL) break;
+        check_watchdog(seq, now - started);
       }
       ::sched_yield();
     }
+    if (seq != 0) recorder_.complete(seq);
   }
 
   /// The largest of every member's `value` (an MPI allreduce on the host: no device is synchronised).
   int max_over_ranks(int value) {
     int out = value;
     MPI_Request request;
+    const uint64_t seq = record(Collective::agreement, sizeof value);
     mpi_check(MPI_Iallreduce(&value, &out, 1, MPI_INT, MPI_MAX, work_, &request), "MPI_Iallreduce");
-    wait(request);
+    wait(request, seq);
     return out;
   }
 
@@ -271,8 +298,9 @@ class MpiGroup {
     const long long mine = static_cast<long long>(bytes.size());
     std::vector<long long> sizes(static_cast<std::size_t>(size_));
     MPI_Request request;
+    uint64_t seq = record(Collective::exchange, sizeof mine);
     mpi_check(MPI_Iallgather(&mine, 1, MPI_LONG_LONG, sizes.data(), 1, MPI_LONG_LONG, work_, &request), "MPI_Iallgather");
-    wait(request);
+    wait(request, seq);
     std::vector<int> counts(sizes.size()), displs(sizes.size());
     long long total = 0;
     for (std::size_t r = 0; r < sizes.size(); ++r) {
@@ -285,10 +313,11 @@ class MpiGroup {
       total += sizes[r];
     }
     std::string all(static_cast<std::size_t>(total), '\0');
+    seq = record(Collective::exchange, total);
     mpi_check(MPI_Iallgatherv(bytes.data(), static_cast<int>(mine), MPI_BYTE, all.data(), counts.data(), displs.data(),
                               MPI_BYTE, work_, &request),
               "MPI_Iallgatherv");
-    wait(request);
+    wait(request, seq);
     std::vector<std::string> out;
     for (std::size_t r = 0; r < sizes.size(); ++r) out.push_back(all.substr(static_cast<std::size_t>(displs[r]), static_cast<std::size_t>(counts[r])));
     return out;
@@ -310,6 +339,8 @@ class MpiGroup {
   /// Before MPI_Finalize: withdraw the failure receive and free the group's communicators (the launcher
   /// disconnects the intercommunicator they came from afterwards).
   void close() {
+    heartbeat_->stop();
+    if (beat_ != MPI_COMM_NULL) MPI_Comm_free(&beat_);
     if (failure_request_ != MPI_REQUEST_NULL) {
       MPI_Cancel(&failure_request_);
       MPI_Wait(&failure_request_, MPI_STATUS_IGNORE);
@@ -323,6 +354,7 @@ class MpiGroup {
   void announce_failure(const std::string& message) noexcept {
     if (failed_) return;  // already failing because of someone else: nothing new to say
     failed_ = true;
+    heartbeat_->stop();
     failed_rank_ = rank_;
     failure_message_ = message;
     MpiRuntime::instance().mark_failed();
@@ -359,6 +391,7 @@ class MpiGroup {
   }
 
   [[noreturn]] void on_failure(int rank, std::string message) {
+    heartbeat_->stop();
     failed_ = true;
     failed_rank_ = rank;
     failure_message_ = std::move(message);
@@ -366,21 +399,78 @@ class MpiGroup {
     throw RankFailure(failed_rank_, failure_message_);
   }
 
-  void check_peers_alive(MPI_Request& request) {
+  /// A member on this host whose process has ended (killed, crashed): announced to the others, then thrown here.
+  void check_peers_alive(MPI_Request& request, uint64_t seq) {
     for (const Peer& p : peers_) {
       if (!p.visible || !process_gone(p.pid)) continue;
       int done = 0;  // its last message may have completed our request before it left
       MPI_Test(&request, &done, MPI_STATUS_IGNORE);
       if (done) return;
       poll_failures();
-      on_failure(p.rank, "volt: rank " + std::to_string(p.rank) + " (pid " + std::to_string(p.pid) + " on " + p.host +
-                             ") ended without a message (killed or crashed) while rank " + std::to_string(rank_) +
-                             " was waiting for it.");
+      give_up(p.rank, "volt: rank " + std::to_string(p.rank) + " (pid " + std::to_string(p.pid) + " on " + p.host +
+                          ") ended without a message (killed or crashed) while rank " + std::to_string(rank_) +
+                          " was waiting for " + waiting_for(seq) + ".");
     }
   }
 
+  /// While waiting for collective `seq` (0: a message) for `waited`: a watcher's failure, a member silent for longer
+  /// than the heartbeat's limit, or the timeout end the job (announced, then thrown here).
+  void check_watchdog(uint64_t seq, Clock::duration waited) {
+    if (std::string failure = heartbeat_->watcher_failure(); !failure.empty()) give_up(rank_, failure);
+    const auto limit = std::min<Clock::duration>(Heartbeat::kSilentLimit, timeout_);
+    if (const auto [r, quiet] = heartbeat_->silent(limit); r >= 0) {
+      const Progress last = heartbeat_->peer(r).first;
+      give_up(r, "volt: rank " + std::to_string(r) + " on " + host_of(r) + " has not been heard from for " +
+                     seconds_text(quiet) + " while rank " + std::to_string(rank_) + " on " + host_name() +
+                     " waited for " + waiting_for(seq) + ": its process ended, its host stopped or the link to it is "
+                     "down. Its last heartbeat said: " +
+                     (last.issued() == 0 ? std::string("no collective issued yet")
+                                         : "last issued " + last.last_issued() + ", completed up to #" +
+                                               std::to_string(last.completed())) +
+                     ".");
+    }
+    if (waited >= timeout_) give_up(-1, timeout_message(seq, waited));
+  }
+
+  /// The collective timeout's message: what this rank waited for, who had not issued it, this rank's record.
+  std::string timeout_message(uint64_t seq, Clock::duration waited) const {
+    std::string behind;
+    for (const Peer& p : peers_) {
+      const auto [progress, ago] = heartbeat_->peer(p.rank);
+      if (heartbeat_->running() && seq != 0 && progress.issued() >= seq) continue;
+      behind += (behind.empty() ? "" : "; ") + std::string("rank ") + std::to_string(p.rank) + " on " + p.host +
+                (heartbeat_->running() ? " (last issued " + progress.last_issued() + ", heard " + seconds_text(ago) +
+                                             " ago)"
+                                       : "");
+    }
+    if (!heartbeat_->running()) behind = "unknown (no heartbeats: MPI was initialised without MPI_THREAD_MULTIPLE)";
+    return "volt: rank " + std::to_string(rank_) + " on " + host_name() + " waited " + seconds_text(waited) + " for " +
+           waiting_for(seq) + ", longer than the collective timeout (TrainerOptions::timeout, " +
+           seconds_text(timeout_) + "). Members that had not issued it: " +
+           (behind.empty() ? "none (every member issued it; one has stopped inside it)" : behind) + ". Rank " +
+           std::to_string(rank_) + "'s last collectives: " + recorder_.recent(6) + ".";
+  }
+  std::string waiting_for(uint64_t seq) const {
+    if (seq == 0) return "a message";
+    const FlightEntry e = recorder_.entry(seq);
+    return e.seq == seq ? describe(e) : "collective #" + std::to_string(seq);
+  }
+  std::string host_of(int rank) const {
+    for (const Peer& p : peers_) {
+      if (p.rank == rank) return p.host;
+    }
+    return host_name();
+  }
+  [[noreturn]] void give_up(int rank, const std::string& message) {
+    announce_failure(message);
+    throw RankFailure(rank, message);
+  }
+
   int rank_ = 0, size_ = 1, local_rank_ = 0, node_rank_ = 0, nodes_ = 1;
-  MPI_Comm work_ = MPI_COMM_NULL, failure_ = MPI_COMM_NULL, parent_ = MPI_COMM_NULL;
+  MPI_Comm work_ = MPI_COMM_NULL, failure_ = MPI_COMM_NULL, beat_ = MPI_COMM_NULL, parent_ = MPI_COMM_NULL;
+  FlightRecorder recorder_;
+  std::unique_ptr<Heartbeat> heartbeat_;
+  Clock::duration timeout_ = std::chrono::minutes(30);
   std::vector<Peer> peers_;
   MPI_Request failure_request_ = MPI_REQUEST_NULL;
   std::vector<char> failure_buffer_;

@@ -31,6 +31,8 @@ struct LaunchSpec {
   const char* strategy = "DDP";
   /// How the processes stop on a signal (a Spawn main process forwards it to its workers).
   SignalOptions signals = {};
+  /// How long a collective may wait (TrainerOptions::timeout).
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
 };
 
 namespace detail {

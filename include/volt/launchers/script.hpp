@@ -28,6 +28,7 @@ class Script {
   template <class F, class T>
   decltype(auto) launch(const LaunchSpec& spec, detail::Processes& procs, F&& body, T* /*transfer*/) {
     procs = detail::Processes::of(job(spec));
+    procs.group->set_timeout(spec.timeout);
     return detail::run_as_rank(procs, std::forward<F>(body));
   }
 

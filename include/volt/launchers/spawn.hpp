@@ -51,13 +51,13 @@ class Spawn {
   /// fit: in the workers, or (in the main process) start them and bring rank 0's result back.
   template <class F, class T>
   auto launch(const LaunchSpec& spec, detail::Processes& procs, F&& body, T* transfer) -> decltype(body()) {
-    if (is_worker()) run_worker(procs, std::forward<F>(body), *transfer);
+    if (is_worker()) run_worker(spec, procs, std::forward<F>(body), *transfer);
     return run_main(spec, *transfer);
   }
 
  private:
   template <class F, class T>
-  [[noreturn]] static void run_worker(detail::Processes& procs, F&& body, T& transfer) {
+  [[noreturn]] static void run_worker(const LaunchSpec& spec, detail::Processes& procs, F&& body, T& transfer) {
     auto& runtime = detail::MpiRuntime::instance();
     runtime.ensure_initialized();
     MPI_Comm parent = runtime.parent();
@@ -67,6 +67,7 @@ class Spawn {
     int rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     auto* group = new detail::MpiGroup(MPI_COMM_WORLD, parent);
+    group->set_timeout(spec.timeout);
     procs = detail::Processes::of(*group);
     const int pid = static_cast<int>(::getpid());
     MPI_Send(&pid, static_cast<int>(sizeof pid), MPI_BYTE, 0, detail::kHelloTag, parent);

@@ -130,6 +130,7 @@ template <class S, class P, class A, class... Cs>
 template <class B>
 void Trainer<S, P, A, Cs...>::enter_batch(const B& batch, int64_t batch_idx) {
   state_.batch_idx = batch_idx;
+  detail::collective_tag().step = state_.global_step;  // the collectives' flight record names the step
   state_.in_batch = true;
   state_.batch = &batch;
   state_.batch_size_of = &detail::batch_size_of<B>;

@@ -51,6 +51,7 @@ class ProcessGroupStrategy : public StrategyDefaults {
     spec_.devices = options.devices;
     spec_.num_nodes = options.num_nodes;
     spec_.signals = options.signals;
+    spec_.timeout = options.timeout;
     if (launcher_type::joins_external_jobs && launch_role().empty()) {
       cluster::check_against(cluster::detect(), options.devices, options.num_nodes);
     }

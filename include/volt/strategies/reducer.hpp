@@ -314,6 +314,7 @@ class Reducer {
         complete(in_flight_.front());
         in_flight_.erase(in_flight_.begin());
       }
+      const BucketTag tag(static_cast<int>(i));  // named in the flight recorder
       b.work = sync_ == GradSync::all_reduce ? backend_->iall_reduce_(b.flat, Reduce::sum)
                                              : backend_->ireduce_scatter_(b.flat, Reduce::sum);
       in_flight_.push_back(i);

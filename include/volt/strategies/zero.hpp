@@ -204,11 +204,13 @@ class ZeRO : public DDP<L, B> {
   /// non-blocking MPI collective holds buffers of its own until it is waited for).
   void gather_parameters() {
     std::deque<typename B::Work> works;
+    int bucket = 0;
     for (const at::Tensor& flat : shards_->flats()) {
       if (works.size() == detail::kBucketsInFlight) {
         works.front().wait();
         works.pop_front();
       }
+      const detail::BucketTag tag(bucket++);
       works.push_back(this->backend().iall_gather_(flat));
     }
     for (auto& w : works) w.wait();

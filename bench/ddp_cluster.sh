@@ -23,14 +23,16 @@ for ((r = 1; r <= rounds; r++)); do
     grep '"impl":"volt"' | tee -a "$lines"
   master="10.77.0.11:$((20000 + ($$ % 1000) * 10 + r))"  # rank 0 listens there (a port of this run); rank 1 follows
   torch_rank() {
-    GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 timeout 600 "$on" "node$(($1 + 1))" /usr/bin/python3 \
+    GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 timeout 120 "$on" "node$(($1 + 1))" /usr/bin/python3 \
       "$here/ddp_vs_torch.py" "$steps" --rank "$1" --world 2 --master "$master"
   }
   torch_rank 0 > "$lines.torch" &
   sleep 2
-  torch_rank 1 > /dev/null
-  wait
-  grep torch_ddp_gloo "$lines.torch" | tee -a "$lines"
+  # gloo's rendezvous between the namespaces sometimes never completes (both processes idle): such a round is
+  # dropped after 120 s, and said so
+  torch_rank 1 > /dev/null || echo "torch round $r did not complete in 120 s; left out" >&2
+  wait || true
+  grep torch_ddp_gloo "$lines.torch" | tee -a "$lines" || true
 done
 rm -f "$lines.torch"
 for mb in 4 64; do

@@ -7,7 +7,7 @@
 ///
 /// The node rank is not read here: Open MPI has no variable for it, and `rank / local size` holds only for by-slot
 /// mapping. The process group finds both local and node rank from every member's host name
-/// (`detail::place`, comm/runtime.hpp), whatever the mapping.
+/// (`detail::place`, comm/hosts.hpp), whatever the mapping.
 
 #include "volt/options.hpp"
 

@@ -31,6 +31,7 @@
 /// starts to require gradients later is refused.
 
 #include "volt/comm/concept.hpp"
+#include "volt/comm/watchdog.hpp"
 #include "volt/context.hpp"
 
 #include <torch/csrc/autograd/function.h>

@@ -4,6 +4,8 @@
 /// fast_dev_run, the set-up of a run, the batch a step sees, the hook fan-out, and handing metrics to loggers.
 /// Not a header of its own: include volt/trainer.hpp.
 
+#include "volt/comm/watchdog.hpp"
+
 #include <ATen/Context.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/utils.h>

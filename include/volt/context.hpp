@@ -11,7 +11,7 @@
 /// \endcode
 /// A Context is not tied to the Trainer's type, so modules stay plain classes.
 
-#include "volt/connectors/metric_store.hpp"
+#include "volt/metric_store.hpp"
 #include "volt/errors.hpp"
 #include "volt/options.hpp"
 

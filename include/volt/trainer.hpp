@@ -6,11 +6,12 @@
 ///
 /// This file holds the rules (phase (a), volt/rules.hpp), the constructor (phase (b)), the four runs, what
 /// callbacks and callers may read, and the members grouped by owner. The loops are out-of-class definitions,
-/// included at the end (ensmallen's `_impl` files): loops/run_impl.hpp (what every run shares),
-/// loops/fit_loop_impl.hpp (the fit and its training batches), loops/evaluation_loop_impl.hpp, and
-/// connectors/checkpoint_impl.hpp (saving and resuming; the format is connectors/checkpoint_connector.hpp). A
-/// training batch's optimization is one of three step objects the fit loop owns (friends of the Trainer):
-/// loops/automatic_step.hpp, loops/graphed_step.hpp (graph mode) and loops/manual_step.hpp (manual optimization).
+/// included at the end (ensmallen's `_impl` files): trainer/run_impl.hpp (what every run shares),
+/// trainer/fit_loop_impl.hpp (the fit and its training batches), trainer/evaluation_loop_impl.hpp, and
+/// trainer/checkpoint_impl.hpp (saving and resuming; the format is connectors/checkpoint_connector.hpp). A
+/// training batch's optimization is one of three step objects the fit loop owns: loops/automatic_step.hpp,
+/// loops/graphed_step.hpp (graph mode) and loops/manual_step.hpp (manual optimization); they see the Trainer through
+/// the bundle of loops/step_parts.hpp only.
 
 #include "volt/accelerators/cpu.hpp"
 #include "volt/accelerators/graphed.hpp"
@@ -155,7 +156,7 @@ class Trainer {
   }
 
   /// Runs predict_step on every batch (up to limit_predict_batches) and returns the results in order (across
-  /// ranks: gathered, loops/predict_gather.hpp); `return_predictions = false` keeps none (a PredictionWriter writes them).
+  /// ranks: gathered, data/predict_gather.hpp); `return_predictions = false` keeps none (a PredictionWriter writes them).
   template <class M, class Loader>
   auto predict(M& module, Loader&& loader, bool return_predictions = true) {
     using Batch = detail::batch_t<Loader>;
@@ -262,14 +263,7 @@ class Trainer {
   std::string best_model_path() const;
 
  private:
-  template <class>
-  friend class detail::AutomaticStep;
-  template <class, class, class>
-  friend class detail::GraphedStep;
-  template <class, class>
-  friend class detail::ManualStep;
-
-  // ---- shared by every run (loops/run_impl.hpp) ----
+  // ---- shared by every run (trainer/run_impl.hpp) ----
   void check_machine();
   void apply_fast_dev_run();
   void setup_run(torch::nn::Module& module);
@@ -280,8 +274,6 @@ class Trainer {
   template <class Impl, class Body, class Cleanup>
   decltype(auto) guarded(Impl& module, Body&& body, Cleanup&& cleanup);
   template <class B, class F>
-  decltype(auto) with_device_batch(B& batch, F&& f);
-  template <class B, class F>
   auto run_eval_step(B& batch, F&& step);
   template <class H, class Impl, class... Args>
   decltype(auto) hook(Impl& module, Context& ctx, Args&&... args);
@@ -290,7 +282,7 @@ class Trainer {
   void send_to_loggers(detail::MetricMap& metrics);
   void flush_loggers();
 
-  // ---- fit (loops/fit_loop_impl.hpp) ----
+  // ---- fit (trainer/fit_loop_impl.hpp) ----
   template <class Impl, class TL, class VL>
   void run_fit(Impl& module, TL& train, VL* val, const std::string& ckpt_path);
   template <class Impl, class TL, class VL>
@@ -311,9 +303,8 @@ class Trainer {
   void run_validation(Impl& module, VL* val);
   template <class Impl, class Step, class B, class VL>
   bool train_batch(Impl& module, Context& ctx, Step& step, B& batch, int64_t batch_idx, bool is_last, VL* val);
-  void count_optimizer_step(detail::ScheduledOptimizer& optimizer);
 
-  // ---- evaluation (loops/evaluation_loop_impl.hpp) ----
+  // ---- evaluation (trainer/evaluation_loop_impl.hpp) ----
   template <class Kind, class Impl, class L, class Sink>
   void eval_epoch(Impl& module, Context& ctx, L& loader, int64_t limit, Stage stage, Sink&& sink);
   template <class Kind, class Impl, class L>
@@ -323,7 +314,7 @@ class Trainer {
   template <class R, class Impl, class L>
   std::vector<R> run_predict(Impl& module, L& loader, bool keep);
 
-  // ---- checkpoints (connectors/checkpoint_impl.hpp) ----
+  // ---- checkpoints (trainer/checkpoint_impl.hpp) ----
   at::Tensor gather_ranks(const at::Tensor& t);
   std::string resolve_ckpt_path(const std::string& path) const;
   template <class Impl, class TL>
@@ -391,7 +382,7 @@ Trainer<S, P, A, std::remove_cvref_t<Callbacks>...> make_trainer(TrainerOptions 
 }  // namespace volt
 
 // The Trainer's out-of-class definitions.
-#include "volt/loops/run_impl.hpp"
-#include "volt/loops/evaluation_loop_impl.hpp"
-#include "volt/loops/fit_loop_impl.hpp"
-#include "volt/connectors/checkpoint_impl.hpp"
+#include "volt/trainer/run_impl.hpp"
+#include "volt/trainer/evaluation_loop_impl.hpp"
+#include "volt/trainer/fit_loop_impl.hpp"
+#include "volt/trainer/checkpoint_impl.hpp"

@@ -4,7 +4,7 @@
 /// the BLAS that LibTorch's matrix products (linear layers, matmul, im2col convolutions) land in, and LibTorch's
 /// intra-op threads against the CPUs this process and the other ranks on its host may use (affinity, cgroup cpuset,
 /// cgroup CPU quota). `CPU::slow_settings` hands the sentences to the Trainer, which says them once per process when
-/// its first run sets up (loops/run_impl.hpp); `volt::blas_info()` is also what the benchmarks record.
+/// its first run sets up (trainer/run_impl.hpp); `volt::blas_info()` is also what the benchmarks record.
 ///
 /// | finding | when | what it costs |
 /// |---|---|---|

@@ -19,7 +19,7 @@
 
 #include "volt/batch.hpp"
 #include "volt/checkpoint.hpp"
-#include "volt/loops/predict_gather.hpp"
+#include "volt/data/predict_gather.hpp"
 
 #include <ATen/core/ivalue.h>
 #include <torch/types.h>

@@ -10,7 +10,7 @@
 /// loads it (what can still refuse first, with backups), and its fit loop starts from the `ResumePoint` inside.
 
 #include "volt/checkpoint.hpp"
-#include "volt/connectors/metric_store.hpp"
+#include "volt/metric_store.hpp"
 #include "volt/data/concept.hpp"
 #include "volt/loops/progress.hpp"
 

@@ -88,16 +88,6 @@ class AutocastGuard {
   at::ScalarType prev_dtype_;
 };
 
-/// Clears gradients the fastest way the LibTorch line offers: 2.x sets them to undefined (as PyTorch's
-/// default `set_to_none=True`); 1.13's C++ optimizer only zeroes them in place.
-inline void zero_grad(torch::optim::Optimizer& optimizer) {
-#if TORCH_VERSION_MAJOR >= 2
-  optimizer.zero_grad(/*set_to_none=*/true);
-#else
-  optimizer.zero_grad();
-#endif
-}
-
 /// LibTorch 2.4 added fused Adam, AdamW and SGD kernels on the CPU (CUDA had them before); volt::optim uses them
 /// from there on, on both devices.
 inline constexpr bool has_fused_optimizer_kernels = torch_version >= 20400;

@@ -1,9 +1,13 @@
 #pragma once
 /// \file
 /// How every loop walks a loader: `for_each_batch`, with a start (a resumed epoch), a limit and the knowledge of
-/// which batch is the last, read one batch ahead when the loader has no size.
+/// which batch is the last, read one batch ahead when the loader has no size; and `with_device_batch`, the batch a
+/// step sees.
 
+#include "volt/batch.hpp"
 #include "volt/data/concept.hpp"
+
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <optional>
@@ -40,6 +44,27 @@ void for_each_batch(L& loader, int64_t limit, F&& f, int64_t start = 0, bool ski
       current.emplace(*it);
       ++it;
     }
+  }
+}
+
+/// Calls `f` with the batch a step sees on accelerator `A` under precision `P`: moved to `device` and cast for
+/// "true" precisions, or the loader's own object when neither applies (CPU, no cast: no copy at all).
+template <class A, class P, class B, class F>
+decltype(auto) with_device_batch(B& batch, const c10::Device& device, F&& f) {
+  constexpr bool moves = A::device_type != c10::DeviceType::CPU;
+  if constexpr (moves || P::converts_inputs) {
+    auto prepared = [&] {
+      if constexpr (moves && P::converts_inputs) {
+        return batch_to_floating_dtype(batch_to_device(batch, device), P::input_dtype);
+      } else if constexpr (moves) {
+        return batch_to_device(batch, device);
+      } else {
+        return batch_to_floating_dtype(batch, P::input_dtype);
+      }
+    }();
+    return f(prepared);
+  } else {
+    return f(batch);
   }
 }
 

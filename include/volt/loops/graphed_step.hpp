@@ -3,20 +3,20 @@
 /// `detail::GraphedStep`: one training batch's optimization in graph mode (`Graphed<...>`,
 /// volt/accelerators/graphed.hpp) — eager warm-up steps, the capture of each step variant, the copy of each batch
 /// into the static inputs (checked against the captured layout), the replay, and the log calls read back from the
-/// graph's outputs. One of the training step's variants (loops/optimization.hpp has what they share); the fit loop
-/// owns one for the fit's batch type, so the graphs and their memory pool live exactly as long as the fit.
+/// graph's outputs. One of the training step's variants (loops/step_parts.hpp has what they share and the sequences
+/// they run); the fit loop owns one for the fit's batch type, so the graphs and their memory pool live exactly as long as the fit.
 ///
 /// A step is one of four variants, by whether it starts an accumulation window (zeroes the gradients) and whether it
 /// ends one (steps the optimizer): index `2 * starts + steps`. Each is captured the first time it is needed, all from
 /// one memory pool. The module-dependent rules of graph mode (`graph_rule`) are here too; the others are in
 /// volt/rules.hpp.
 
-#include "volt/connectors/metric_store.hpp"
 #include "volt/context.hpp"
 #include "volt/errors.hpp"
 #include "volt/loops/batch_layout.hpp"
 #include "volt/loops/hooks.hpp"
-#include "volt/loops/optimization.hpp"
+#include "volt/loops/step_parts.hpp"
+#include "volt/metric_store.hpp"
 #include "volt/module.hpp"
 #include "volt/optim/fused.hpp"
 
@@ -95,47 +95,47 @@ constexpr bool loss_kept(std::tuple<Cs...>*) {
           false);
 }
 
-/// Graph mode's step for Trainer `T` (a friend of it), module `Impl` and batch type `B`.
+/// Graph mode's step for Trainer `T` (reached through `StepParts`), module `Impl` and batch type `B`.
 template <class T, class Impl, class B>
 class GraphedStep {
   using G = typename T::accelerator_type::graph_type;
   using O = module_optimizer_t<Impl>;
 
  public:
-  GraphedStep(T& trainer, Impl& /*module*/, Context& /*ctx*/) : t_(trainer) {}
+  GraphedStep(StepParts<T> parts, Impl& /*module*/, Context& /*ctx*/) : p_(parts) {}
 
   /// Runs the batch's optimization: eagerly while warming up and for a last batch of another shape or layout, else
   /// by replay (capturing the variant first when it is new). Returns the detached loss.
   template <class Batch>
   torch::Tensor run(Impl& module, Context& ctx, Batch& batch, const Window& w) {
-    O& optimizer = static_cast<O&>(t_.optim_.front().optimizer());
-    if (w.starts) t_.template hook<hooks::on_before_zero_grad>(module, ctx, static_cast<torch::optim::Optimizer&>(optimizer));
+    O& optimizer = static_cast<O&>(p_.optimizers.front().optimizer());
+    if (w.starts) p_.template hook<hooks::on_before_zero_grad>(module, ctx, static_cast<torch::optim::Optimizer&>(optimizer));
     optimizer.refresh_device_lr();  // a scheduler's new rate, into the tensors the step reads
 
     const bool warming = warm_batches_ < T::accelerator_type::warmup_batches;
     const std::string mismatch = this->mismatch(batch);
     if (!mismatch.empty() && !w.is_last) {
-      throw StepError("volt: Graphed: training batch " + std::to_string(t_.state_.batch_idx) + " of epoch " +
-                      std::to_string(t_.state_.current_epoch) + " " + mismatch + ". Graph mode replays one batch "
+      throw StepError("volt: Graphed: training batch " + std::to_string(p_.state.batch_idx) + " of epoch " +
+                      std::to_string(p_.state.current_epoch) + " " + mismatch + ". Graph mode replays one batch "
                       "layout and shape (only the epoch's last batch may differ; it runs eagerly): give the loader a "
                       "fixed batch size and keep values other than tensors out of the batch, or use the accelerator "
                       "without Graphed.");
     }
     if (warming || !mismatch.empty()) {
       torch::Tensor loss;
-      auto run = [&] { loss = t_.with_device_batch(batch, [&](auto& b) { return body(module, ctx, b, w, optimizer); }); };
+      auto run = [&] { loss = p_.with_device_batch(batch, [&](auto& b) { return body(module, ctx, b, w, optimizer); }); };
       if (warming) {
-        warm.run_eager(t_.state_.device, run);
+        warm.run_eager(p_.state.device, run);
         ++warm_batches_;
       } else {
         run();
       }
-      if (loss.defined() && w.steps) t_.count_optimizer_step(t_.optim_.front());
+      if (loss.defined() && w.steps) p_.count_step(p_.optimizers.front());
       return loss;
     }
     const int v = (w.starts ? 2 : 0) + (w.steps ? 1 : 0);
     copy_in(batch, [&](const at::Tensor& t) {
-      return t_.with_device_batch(t, [](const at::Tensor& prepared) { return prepared; });
+      return p_.with_device_batch(t, [](const at::Tensor& prepared) { return prepared; });
     });
     if (!captured[v]) capture(v, module, ctx, w, optimizer);
     return replay(v, w);
@@ -154,26 +154,17 @@ class GraphedStep {
         CastCacheOff() { at::autocast::set_autocast_cache_enabled(false); }
         ~CastCacheOff() { at::autocast::set_autocast_cache_enabled(was); }
       } cache_off;
-      [[maybe_unused]] auto guard = t_.precision_.forward_context(T::accelerator_type::device_type);
-      loss = run_module_step(t_.state_, "training_step", [&] { return module.training_step(b, ctx); });
+      loss = p_.training_step(module, ctx, b);
     }
-    if (w.starts) {  // also when the step returned no loss (an eager step), as Lightning zeroes them
-      std::vector<torch::Tensor> grads;
-      for (const auto& p : t_.params_) {
-        if (p.grad().defined()) grads.push_back(p.grad());
-      }
-      if (!grads.empty()) at::_foreach_zero_(grads);
-    }
+    // In place: a captured step keeps every gradient tensor (also when the step returned no loss, an eager step, as
+    // Lightning zeroes them).
+    if (w.starts) zero_grad(p_.params, /*keep_tensors=*/true);
     if (!loss.defined()) return loss;
     const torch::Tensor scaled = w.size > 1 ? loss / static_cast<double>(w.size) : loss;
-    run_module_step(t_.state_, "the backward pass of training_step's loss", [&] { t_.precision_.backward(scaled); });
+    p_.backward(module, ctx, scaled, w.steps, "the backward pass of training_step's loss");
     if (w.steps) {
-      t_.precision_.unscale_gradients(optimizer);
-      if (const auto& clip = t_.options_.gradient_clip_val; clip && *clip > 0.0) {
-        clip_gradients(t_.params_, *clip, t_.options_.gradient_clip_algorithm, ClipOn::device);
-      }
-      t_.precision_.optimizer_step_on_device(optimizer);
-      t_.precision_.update();
+      p_.template optimizer_step</*Captured=*/true>(module, ctx, optimizer);
+      p_.precision.update();
     }
     return loss.detach();
   }
@@ -194,12 +185,12 @@ class GraphedStep {
   /// Captures variant `v` on the static batch; a failure says why a captured step cannot do what it did.
   void capture(int v, Impl& module, Context& ctx, const Window& w, O& optimizer) {
     std::vector<const void*> had_grads;
-    for (const auto& p : t_.params_) had_grads.push_back(p.grad().defined() ? p.grad().unsafeGetTensorImpl() : nullptr);
+    for (const auto& p : p_.params) had_grads.push_back(p.grad().defined() ? p.grad().unsafeGetTensorImpl() : nullptr);
     try {
-      Redirect redirect(t_.train_store_, logs[v]);
+      Redirect redirect(p_.train_store, logs[v]);
       // By value what belongs to this call (a graph type that runs the step's host code again at replay, as the CPU
       // tests' does, calls this after it has returned); the module, its Context and the optimizer live for the fit.
-      graphs[v].capture(t_.state_.device, [this, &module, &ctx, &optimizer, v, w] {
+      graphs[v].capture(p_.state.device, [this, &module, &ctx, &optimizer, v, w] {
         const torch::Tensor l = body(module, ctx, *inputs, w, optimizer);
         if (!l.defined()) {
           throw std::invalid_argument("training_step returned no loss (an undefined tensor), so there is no step to "
@@ -215,18 +206,18 @@ class GraphedStep {
       redirect.done();
     } catch (const std::exception& e) {
       std::throw_with_nested(StepError(
-          "volt: Graphed: capturing the training step failed in epoch " + std::to_string(t_.state_.current_epoch) +
-          ", batch " + std::to_string(t_.state_.batch_idx) + ": " + detail::step_error_message(e) +
+          "volt: Graphed: capturing the training step failed in epoch " + std::to_string(p_.state.current_epoch) +
+          ", batch " + std::to_string(p_.state.batch_idx) + ": " + detail::step_error_message(e) +
           " A captured step runs its host code "
           "once and must not wait for the device: no .item(), printing or copying tensors to the host, and no shapes "
           "that depend on data (torch::nonzero, boolean masks) inside training_step; move such code to "
           "on_train_batch_end or validation, or use the accelerator without Graphed."));
     }
     captured[v] = true;
-    for (std::size_t i = 0; i < t_.params_.size(); ++i) {
-      const void* now = t_.params_[i].grad().defined() ? t_.params_[i].grad().unsafeGetTensorImpl() : nullptr;
+    for (std::size_t i = 0; i < p_.params.size(); ++i) {
+      const void* now = p_.params[i].grad().defined() ? p_.params[i].grad().unsafeGetTensorImpl() : nullptr;
       if (now != had_grads[i]) {
-        throw StepError("volt: Graphed: parameter " + std::to_string(i) + " (of " + std::to_string(t_.params_.size()) +
+        throw StepError("volt: Graphed: parameter " + std::to_string(i) + " (of " + std::to_string(p_.params.size()) +
                         ") got a new gradient tensor while the step was captured, not in the " +
                         std::to_string(T::accelerator_type::warmup_batches) + " eager steps before it: the step's "
                         "structure changed, so the graph would write into a gradient the optimizer does not read. "
@@ -239,14 +230,14 @@ class GraphedStep {
   /// takes it may keep it: callbacks/concept.hpp).
   torch::Tensor replay(int v, const Window& w) {
     {
-      Redirect redirect(t_.train_store_, logs[v]);  // for a graph type that runs the step's host code again
+      Redirect redirect(p_.train_store, logs[v]);  // for a graph type that runs the step's host code again
       graphs[v].replay();
       redirect.done();
     }
     for (const auto& c : logs[v].calls()) {  // the graph's outputs are rewritten by the next replay: copies
-      t_.train_store_.add(c.name, c.value.clone(), c.options, c.on_step, c.on_epoch, c.batch_size);
+      p_.train_store.add(c.name, c.value.clone(), c.options, c.on_step, c.on_epoch, c.batch_size);
     }
-    if (w.steps) t_.count_optimizer_step(t_.optim_.front());
+    if (w.steps) p_.count_step(p_.optimizers.front());
     if constexpr (loss_kept<T, Impl, B>(static_cast<typename T::callback_tuple*>(nullptr))) {
       return loss[v].clone();
     } else {
@@ -316,7 +307,7 @@ class GraphedStep {
     for (std::size_t i = 0; i < given.size(); ++i) input_tensors[i].copy_(given[i], /*non_blocking=*/true);
   }
 
-  T& t_;
+  StepParts<T> p_;
 };
 
 }  // namespace volt::detail

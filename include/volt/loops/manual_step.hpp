@@ -4,7 +4,8 @@
 /// module's `training_step` runs under the precision's context and steps its own optimizers through its Context
 /// (`ctx.optimizers()`, `ctx.manual_backward(loss)`, `opt.step()`, `ctx.clip_gradients`, `ctx.toggle_optimizer`,
 /// `ctx.no_sync()`); this object is what those calls reach. One of the training step's variants
-/// (loops/optimization.hpp has what they share); the fit loop owns one for the length of a fit.
+/// (loops/step_parts.hpp has what they share and the sequences they run); the fit loop owns one for the length of a
+/// fit.
 ///
 /// The loss scale (Fp16Mixed) is shared by every optimizer, as PyTorch's GradScaler is: each manual_backward scales
 /// its loss, each optimizer is unscaled once (by clip_gradients or its step), and the scale is updated once, after
@@ -12,9 +13,7 @@
 /// optimizer steps at most once per training_step; without one (Fp32, Bf16Mixed, ...) it may step any number of times.
 
 #include "volt/context.hpp"
-#include "volt/detail/torch_compat.hpp"
-#include "volt/loops/hooks.hpp"
-#include "volt/loops/optimization.hpp"
+#include "volt/loops/step_parts.hpp"
 
 #include <torch/types.h>
 
@@ -29,20 +28,20 @@
 
 namespace volt::detail {
 
-/// The manual step for Trainer `T` (a friend of it) and module `Impl`. While it lives, the module's Contexts reach
+/// The manual step for Trainer `T` (reached through `StepParts`) and module `Impl`. While it lives, the module's Contexts reach
 /// it (`LoopState::manual`); it gives every parameter back its requires_grad when it ends.
 template <class T, class Impl>
 class ManualStep final : public ManualOptimization {
  public:
-  ManualStep(T& trainer, Impl& module, Context& ctx)
-      : t_(trainer), module_(module), ctx_(ctx), unscaled_(t_.optim_.size()), stepped_(t_.optim_.size()) {
-    t_.state_.manual = this;
+  ManualStep(StepParts<T> parts, Impl& module, Context& ctx)
+      : p_(parts), module_(module), ctx_(ctx), unscaled_(p_.optimizers.size()), stepped_(p_.optimizers.size()) {
+    p_.state.manual = this;
   }
   ManualStep(const ManualStep&) = delete;
   ManualStep& operator=(const ManualStep&) = delete;
   ~ManualStep() override {
     restore_requires_grad();
-    t_.state_.manual = nullptr;
+    p_.state.manual = nullptr;
   }
 
   /// Runs the module's training_step; afterwards the loss scale's update when an optimizer was unscaled. Returns
@@ -50,15 +49,12 @@ class ManualStep final : public ManualOptimization {
   template <class B>
   torch::Tensor run(Impl& module, Context& ctx, B& batch, const Window& /*w*/) {
     torch::Tensor out;
-    t_.with_device_batch(batch, [&](auto& b) {
-      [[maybe_unused]] auto guard = t_.precision_.forward_context(T::accelerator_type::device_type);
-      run_module_step(t_.state_, "training_step", [&] {
-        if constexpr (std::is_convertible_v<decltype(module.training_step(b, ctx)), torch::Tensor>) {
-          out = module.training_step(b, ctx);
-        } else {
-          module.training_step(b, ctx);
-        }
-      });
+    p_.with_device_batch(batch, [&](auto& b) {
+      if constexpr (std::is_convertible_v<decltype(module.training_step(b, ctx)), torch::Tensor>) {
+        out = p_.training_step(module, ctx, b);
+      } else {
+        p_.training_step(module, ctx, b);
+      }
     });
     end_iteration();
     return out.defined() ? out.detach() : out;
@@ -66,17 +62,11 @@ class ManualStep final : public ManualOptimization {
 
   // ---- what the module's Context calls ----
 
-  std::size_t size() const override { return t_.optim_.size(); }
-  torch::optim::Optimizer& optimizer(std::size_t i) override { return t_.optim_.at(i).optimizer(); }
-  torch::optim::LRScheduler* scheduler(std::size_t i) override { return t_.optim_.at(i).config.scheduler.get(); }
+  std::size_t size() const override { return p_.optimizers.size(); }
+  torch::optim::Optimizer& optimizer(std::size_t i) override { return p_.optimizers.at(i).optimizer(); }
+  torch::optim::LRScheduler* scheduler(std::size_t i) override { return p_.optimizers.at(i).config.scheduler.get(); }
 
-  void backward(const torch::Tensor& loss) override {
-    t_.template hook<hooks::on_before_backward>(module_, ctx_, loss);
-    t_.strategy_.pre_backward(sync_);
-    t_.precision_.backward(loss);
-    t_.strategy_.post_backward();
-    t_.template hook<hooks::on_after_backward>(module_, ctx_);
-  }
+  void backward(const torch::Tensor& loss) override { p_.backward(module_, ctx_, loss, sync_, nullptr); }
 
   bool step(std::size_t i) override {
     constexpr bool scales_loss = T::precision_type::scales_loss;
@@ -87,20 +77,18 @@ class ManualStep final : public ManualOptimization {
                              "per batch, or use a precision without loss scaling (Bf16Mixed, Fp32).");
     }
     unscale(i);
-    torch::optim::Optimizer& opt = t_.optim_[i].optimizer();
-    t_.template hook<hooks::on_before_optimizer_step>(module_, ctx_, opt);
-    const bool stepped = t_.precision_.optimizer_step(opt);
+    const bool stepped = p_.optimizer_step(module_, ctx_, p_.optimizers[i].optimizer(), /*unscale=*/false);
     stepped_[i] = true;
     if (!scales_loss) unscaled_[i] = false;  // nothing to unscale: the next step may come at any time
-    t_.count_optimizer_step(t_.optim_[i]);
+    p_.count_step(p_.optimizers[i]);
     return stepped;
   }
 
-  void zero_grad(std::size_t i) override { ::volt::detail::zero_grad(optimizer(i)); }
+  void zero_grad(std::size_t i) override { p_.strategy.zero_grad(optimizer(i)); }
 
   void clip(std::size_t i, double value, ClipAlgorithm algorithm) override {
     unscale(i);
-    clip_gradients(optimizer_params(t_.optim_.at(i).optimizer()), value, algorithm);
+    p_.strategy.clip_gradients(optimizer_params(optimizer(i)), value, algorithm);
   }
 
   void toggle(std::size_t i) override {
@@ -108,14 +96,14 @@ class ManualStep final : public ManualOptimization {
       throw std::logic_error("volt: toggle_optimizer(optimizer " + std::to_string(i) + ") while optimizer " +
                              std::to_string(*toggled_) + " is toggled; call untoggle_optimizer on it first.");
     }
-    for (const auto& slot : t_.optim_) {
+    for (const auto& slot : p_.optimizers) {
       for (const auto& p : optimizer_params(slot.optimizer())) {
         if (saved(p)) continue;
         requires_grad_.emplace(p.unsafeGetTensorImpl(), std::make_pair(p, p.requires_grad()));
         p.set_requires_grad(false);
       }
     }
-    for (const auto& p : optimizer_params(t_.optim_.at(i).optimizer())) p.set_requires_grad(*saved(p));
+    for (const auto& p : optimizer_params(optimizer(i))) p.set_requires_grad(*saved(p));
     toggled_ = i;
   }
 
@@ -134,14 +122,14 @@ class ManualStep final : public ManualOptimization {
   /// Optimizer `i`'s gradients divided by the loss scale, once per iteration.
   void unscale(std::size_t i) {
     if (unscaled_.at(i)) return;
-    t_.precision_.unscale_gradients(t_.optim_[i].optimizer());
+    p_.precision.unscale_gradients(p_.optimizers[i].optimizer());
     unscaled_[i] = true;
   }
   /// After training_step: the loss scale's update, once, when any optimizer was unscaled or stepped.
   void end_iteration() {
     bool any = false;
     for (std::size_t i = 0; i < unscaled_.size(); ++i) any = any || unscaled_[i] || stepped_[i];
-    if (any) t_.precision_.update();
+    if (any) p_.precision.update();
     unscaled_.assign(unscaled_.size(), false);
     stepped_.assign(stepped_.size(), false);
   }
@@ -157,7 +145,7 @@ class ManualStep final : public ManualOptimization {
     toggled_.reset();
   }
 
-  T& t_;
+  StepParts<T> p_;
   Impl& module_;
   Context& ctx_;
   /// Per optimizer, in this iteration: its gradients were unscaled; it stepped.

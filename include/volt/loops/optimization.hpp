@@ -1,16 +1,13 @@
 #pragma once
 /// \file
-/// What the training step's variants share (loops/automatic_step.hpp, loops/graphed_step.hpp,
-/// loops/manual_step.hpp), written once: the accumulation window a batch falls in, each optimizer with its scheduler
-/// and the steps it has taken (when a scheduler steps), gradient clipping, and the checks on what
-/// `configure_optimizers` returned.
+/// The fit's optimizers as the loops hold them: the accumulation window a batch falls in, each optimizer with its
+/// scheduler and the steps it has taken (when a scheduler steps), and the checks on what `configure_optimizers`
+/// returned. The step variants' sequences are in loops/step_parts.hpp; clipping and zeroing in optim/gradients.hpp.
 
 #include "volt/errors.hpp"
 #include "volt/module.hpp"
 #include "volt/options.hpp"
 
-#include <ATen/ATen.h>
-#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstddef>
@@ -72,47 +69,6 @@ std::vector<ScheduledOptimizer> scheduled_optimizers(R&& result) {
       throw ConfigError("volt: OptimizerConfig frequency=" + std::to_string(out[i].config.frequency) + which +
                         " is not allowed: give a number >= 1.");
     }
-  }
-  return out;
-}
-
-/// Where clipping may read the gradients' norm: on the host (LibTorch's `clip_grad_norm_`, bitwise as a hand-written
-/// loop) or nowhere (graph mode: the same arithmetic, with the coefficient kept on the device).
-enum class ClipOn { host, device };
-
-/// Clips the gradients of `params` to a total 2-norm of `max_norm` with LibTorch's arithmetic (`clip_grad_norm_`:
-/// per-tensor norms, the norm of their stack, the coefficient `max_norm / (norm + 1e-6)` clamped to 1), without
-/// reading the norm back.
-inline void clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
-  std::vector<at::Tensor> grads, norms;
-  for (const auto& p : params) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  if (grads.empty()) return;
-  norms.reserve(grads.size());
-  for (const auto& g : grads) norms.push_back(g.data().norm(2.0));
-  const at::Tensor total = norms.size() == 1 ? norms[0] : at::stack(norms).norm(2.0);
-  const at::Tensor coef = at::clamp(max_norm / (total + 1e-6), c10::nullopt, 1.0);
-  for (auto& g : grads) g.data().mul_(coef);
-}
-
-/// Clips the gradients of `params` by their total norm or by value (`gradient_clip_val`, `clip_gradients`).
-inline void clip_gradients(const std::vector<at::Tensor>& params, double value, ClipAlgorithm algorithm,
-                           ClipOn on = ClipOn::host) {
-  if (algorithm == ClipAlgorithm::value) {
-    torch::nn::utils::clip_grad_value_(params, value);
-  } else if (on == ClipOn::device) {
-    clip_grad_norm_on_device(params, value);
-  } else {
-    torch::nn::utils::clip_grad_norm_(params, value);
-  }
-}
-
-/// The parameters an optimizer steps, in its groups' order.
-inline std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimizer) {
-  std::vector<at::Tensor> out;
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) out.push_back(p);
   }
   return out;
 }

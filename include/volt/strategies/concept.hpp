@@ -29,8 +29,8 @@
 /// | `host_all_gather(const std::string&) -> std::vector<std::string>` | every rank's bytes, in rank order, on every rank (predict's gathered results) |
 /// | `pre_backward(bool sync)`, `post_backward()` | around each backward; `sync` is true on the micro-batch that steps |
 /// | `setup_optimizer(torch::optim::Optimizer&)` | once per fit, after `configure_optimizers` (ZeRO gives it this rank's pieces) |
-/// | `zero_grad(torch::optim::Optimizer&)` | the gradients an optimizer steps, cleared (automatic optimization) |
-/// | `clip_gradients(params, value, ClipAlgorithm)` | the module's gradients clipped (ZeRO: the norm over every rank's pieces) |
+/// | `zero_grad(torch::optim::Optimizer&)` | the gradients an optimizer steps, cleared (automatic optimization; a manual step's `opt.zero_grad()`) |
+/// | `clip_gradients(params, value, ClipAlgorithm)` | the gradients of `params` clipped: `gradient_clip_val`, a manual step's `ctx.clip_gradients` (ZeRO: its pieces, the norm over every rank's) |
 /// | `optimizer_step(Precision&, torch::optim::Optimizer&) -> bool` | the precision's step, and what follows it (ZeRO: the all-gather) |
 /// | `optimizer_state(torch::optim::Optimizer&) -> at::Tensor` | collective: the optimizer's archive for rank zero's checkpoint (empty elsewhere) |
 /// | `load_optimizer_state(torch::optim::Optimizer&, const at::Tensor&, path)` | loads such an archive (refused, unchanged, when it does not fit) |
@@ -44,7 +44,7 @@
 #include "volt/context.hpp"
 #include "volt/detail/fit_transfer.hpp"
 #include "volt/detail/torch_compat.hpp"
-#include "volt/loops/optimization.hpp"
+#include "volt/optim/gradients.hpp"
 #include "volt/options.hpp"
 
 #include <torch/nn/module.h>
@@ -129,7 +129,7 @@ struct StrategyDefaults {
   void post_backward() {}
   void setup_optimizer(torch::optim::Optimizer& /*optimizer*/) {}
   void zero_grad(torch::optim::Optimizer& optimizer) { detail::zero_grad(optimizer); }
-  /// The gradients of `params` clipped in place (LibTorch's arithmetic, read on the host).
+  /// The gradients of `params` clipped in place (optim/gradients.hpp: LibTorch's arithmetic, nothing read on the host).
   void clip_gradients(const std::vector<at::Tensor>& params, double value, ClipAlgorithm algorithm) {
     detail::clip_gradients(params, value, algorithm);
   }

@@ -32,7 +32,7 @@
 ///   volt::Trainer<volt::ZeRO<1, volt::Script, volt::Mpi>, volt::Fp32, volt::CPU> cpu({.devices = 2});
 /// \endcode
 
-#include "volt/loops/optimization.hpp"
+#include "volt/optim/gradients.hpp"
 #include "volt/strategies/ddp.hpp"
 #include "volt/strategies/reducer.hpp"
 #include "volt/strategies/shard_layout.hpp"
@@ -97,9 +97,7 @@ class ZeRO : public DDP<L, B> {
   /// The pieces' gradients and the module's.
   void zero_grad(torch::optim::Optimizer& optimizer) {
     detail::zero_grad(optimizer);
-    for (auto& p : this->params_) {
-      if (p.grad().defined()) p.mutable_grad() = at::Tensor();
-    }
+    detail::zero_grad(this->params_, /*keep_tensors=*/false);
   }
 
   void pre_backward(bool sync) {
@@ -128,22 +126,18 @@ class ZeRO : public DDP<L, B> {
     }
   }
 
-  /// Clips this rank's pieces' gradients: by value elementwise, by norm with the norm over every rank's pieces (the
-  /// module's parameters, given, hold no gradients between a synchronised backward and the step).
+  /// Clips this rank's pieces' gradients (detail::clip_gradients): by value elementwise, by norm with the norm over
+  /// every rank's pieces (the module's parameters, given, hold no gradients between a synchronised backward and the
+  /// step).
   void clip_gradients(const std::vector<at::Tensor>& /*module_params*/, double value, ClipAlgorithm algorithm) {
-    std::vector<at::Tensor> grads;
-    for (const detail::ShardPiece& piece : shards_->pieces()) {
-      if (piece.tensor.grad().defined()) grads.push_back(piece.tensor.grad());
-    }
-    if (algorithm == ClipAlgorithm::value) {
-      for (auto& g : grads) g.clamp_(-value, value);
-      return;
-    }
-    at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(this->device_));
-    for (const auto& g : grads) squares += g.detach().norm(2.0).to(torch::kFloat32).square().to(squares.device());
-    this->backend().all_reduce_(squares, Reduce::sum);
-    const at::Tensor coef = at::clamp(value / (squares.sqrt() + 1e-6), c10::nullopt, 1.0);
-    for (auto& g : grads) g.mul_(coef.to(g.device(), g.scalar_type()));
+    std::vector<at::Tensor> pieces;
+    for (const detail::ShardPiece& piece : shards_->pieces()) pieces.push_back(piece.tensor);
+    detail::clip_gradients(pieces, value, algorithm, [&](const std::vector<at::Tensor>& norms) {
+      at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(this->device_));
+      for (const auto& n : norms) squares += n.to(torch::kFloat32).square().to(squares.device());
+      this->backend().all_reduce_(squares, Reduce::sum);
+      return squares.sqrt();
+    });
   }
 
   /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.

@@ -168,33 +168,11 @@ void Trainer<S, P, A, Cs...>::leave_batch() {
   state_.batch = nullptr;
 }
 
-/// Calls `f` with the batch the step sees: moved to the device and cast for "true" precisions, or the
-/// loader's own object when neither applies (CPU, no cast: no copy at all).
-template <class S, class P, class A, class... Cs>
-template <class B, class F>
-decltype(auto) Trainer<S, P, A, Cs...>::with_device_batch(B& batch, F&& f) {
-  constexpr bool moves = accelerator_type::device_type != c10::DeviceType::CPU;
-  if constexpr (moves || precision_type::converts_inputs) {
-    auto prepared = [&] {
-      if constexpr (moves && precision_type::converts_inputs) {
-        return batch_to_floating_dtype(batch_to_device(batch, state_.device), precision_type::input_dtype);
-      } else if constexpr (moves) {
-        return batch_to_device(batch, state_.device);
-      } else {
-        return batch_to_floating_dtype(batch, precision_type::input_dtype);
-      }
-    }();
-    return f(prepared);
-  } else {
-    return f(batch);
-  }
-}
-
 /// Runs an evaluation step under the precision's forward context; a void step yields an undefined tensor.
 template <class S, class P, class A, class... Cs>
 template <class B, class F>
 auto Trainer<S, P, A, Cs...>::run_eval_step(B& batch, F&& step) {
-  return with_device_batch(batch, [&](auto& b) {
+  return detail::with_device_batch<accelerator_type, precision_type>(batch, state_.device, [&](auto& b) {
     [[maybe_unused]] auto guard = precision_.forward_context(accelerator_type::device_type);
     if constexpr (std::is_void_v<decltype(step(b))>) {
       step(b);

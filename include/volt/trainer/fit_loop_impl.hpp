@@ -169,7 +169,9 @@ template <class S, class P, class A, class... Cs>
 template <class Impl, class TL, class VL>
 void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL* val,
                                        std::optional<detail::ResumePoint> resume) {
-  detail::training_step_t<Trainer, Impl, detail::batch_t<TL>> step(*this, module, ctx);
+  detail::StepParts<Trainer> parts{*this, strategy_, precision_, callbacks_, options_, state_, optim_, params_,
+                                   train_store_};
+  detail::training_step_t<Trainer, Impl, detail::batch_t<TL>> step(parts, module, ctx);
   hook<detail::hooks::on_fit_start>(module, ctx);
 
   if constexpr (!std::is_same_v<VL, NoLoader>) {
@@ -314,13 +316,6 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, Step& step
   ++progress_.total_batch_idx;
   if (max_steps_reached()) return false;
   return !(progress_.should_stop && can_stop_early());
-}
-
-/// An optimizer step was taken: the step counter, and the optimizer's scheduler when it steps per optimizer step.
-template <class S, class P, class A, class... Cs>
-void Trainer<S, P, A, Cs...>::count_optimizer_step(detail::ScheduledOptimizer& optimizer) {
-  ++state_.global_step;
-  optimizer.stepped();
 }
 
 /// Training batches per epoch, the validation interval in batches, and validation batches per run.

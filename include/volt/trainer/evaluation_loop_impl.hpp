@@ -4,7 +4,7 @@
 /// and predict differ only in their hooks, their step and whether their values are published
 /// (loops/evaluation.hpp); `eval_epoch` runs any of them. Not a header of its own: include volt/trainer.hpp.
 
-#include "volt/loops/predict_gather.hpp"
+#include "volt/data/predict_gather.hpp"
 
 #include <c10/core/InferenceMode.h>
 #include <torch/utils.h>

@@ -29,6 +29,7 @@
 /// writer next to its reader, is volt/connectors/checkpoint_connector.hpp.
 
 #include "volt/checkpoint/bytes.hpp"
+#include "volt/detail/optimizer_family.hpp"
 #include "volt/version.hpp"
 
 #include <ATen/Context.h>
@@ -345,16 +346,9 @@ inline void load_module_state(torch::nn::Module& module, const Dict& state) {
   }
 }
 
-/// The LibTorch optimizer class whose state `optimizer` keeps ("torch::optim::Adam" for volt::optim::Adam too, whose
-/// state is LibTorch's), or the type's own name for an optimizer of another family.
+/// The LibTorch optimizer class whose state `optimizer` keeps (detail/optimizer_family.hpp).
 inline std::string optimizer_kind(const torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) return "torch::optim::AdamW";
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return "torch::optim::Adam";
-  if (dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr) return "torch::optim::SGD";
-  if (dynamic_cast<const torch::optim::RMSprop*>(&optimizer) != nullptr) return "torch::optim::RMSprop";
-  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer) != nullptr) return "torch::optim::Adagrad";
-  if (dynamic_cast<const torch::optim::LBFGS*>(&optimizer) != nullptr) return "torch::optim::LBFGS";
-  return c10::demangle(typeid(optimizer).name());
+  return ::volt::detail::optimizer_family_name(optimizer);
 }
 
 /// An optimizer's LibTorch archive (its state and its parameter groups' options) as bytes in a uint8 tensor.

@@ -85,6 +85,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 namespace volt {
@@ -119,6 +120,28 @@ template <class C, class T>
 concept LoggerCallback = requires(C& cb, T& trainer, const std::map<std::string, double>& metrics) {
   cb.on_log_metrics(trainer, metrics, int64_t{});
 };
+
+/// Calls `f(c)` on every callback `c` of the pack, in pack order: the one walk over a Trainer's callbacks (hooks,
+/// loggers, checkpoint state, the questions below).
+template <class Tuple, class F>
+void for_each_callback(Tuple& callbacks, F&& f) {
+  std::apply([&](auto&... cb) { (f(cb), ...); }, callbacks);
+}
+
+/// The first non-empty answer, in pack order, of the callbacks `ask` can ask (`ask` states what it needs of a
+/// callback in a requires-clause; the others are passed over): "the first callback that answers", as the best
+/// checkpoint, a `"last"` checkpoint, a stop signal's checkpoint path or a logger's shared folder are found. An empty
+/// answer asks the next one.
+template <class R, class Tuple, class Ask>
+R first_answer(Tuple& callbacks, Ask&& ask) {
+  R out{};
+  for_each_callback(callbacks, [&](auto& c) {
+    if constexpr (std::is_invocable_v<Ask&, decltype(c)>) {
+      if (out.empty()) out = R(ask(c));
+    }
+  });
+  return out;
+}
 }  // namespace detail
 
 }  // namespace volt

@@ -3,6 +3,8 @@
 /// Where a logger writes: `<save_dir>/<name>/version_<n>/`, the versioning of Lightning's loggers, shared by every
 /// logger of a Trainer so that side-by-side loggers (CSVLogger and TensorBoardLogger) write into one folder.
 
+#include "volt/callbacks/concept.hpp"
+
 #include <algorithm>
 #include <filesystem>
 #include <optional>
@@ -25,16 +27,12 @@ std::filesystem::path logger_dir(T& trainer, const std::string& save_dir, const 
   if (version) {
     dir = base / ("version_" + std::to_string(*version));
   } else {
-    std::apply([&](const auto&... cb) {
-      auto one = [&](const auto& c) {
-        if constexpr (requires { c.log_dir(); }) {
-          const std::filesystem::path other = c.log_dir();
-          if (dir.empty() && !other.empty() && other.parent_path() == base) dir = other;
-        }
-      };
-      (one(cb), ...);
-      (void)one;
-    }, trainer.callbacks());
+    dir = detail::first_answer<std::filesystem::path>(trainer.callbacks(), [&](const auto& c)
+      requires requires { c.log_dir(); }
+    {
+      const std::filesystem::path other = c.log_dir();
+      return other.parent_path() == base ? other : std::filesystem::path();
+    });
   }
   std::error_code ec;
   if (!dir.empty()) {

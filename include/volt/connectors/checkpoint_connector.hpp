@@ -9,10 +9,11 @@
 /// optimizer and scheduler count, training loader, gradients) and returns a `ResumeState`; the Trainer then
 /// loads it (what can still refuse first, with backups), and its fit loop starts from the `ResumePoint` inside.
 
+#include "volt/callbacks/concept.hpp"
 #include "volt/checkpoint.hpp"
-#include "volt/metric_store.hpp"
 #include "volt/data/concept.hpp"
 #include "volt/loops/progress.hpp"
+#include "volt/metric_store.hpp"
 
 #include <c10/util/Type.h>
 #include <torch/nn/module.h>
@@ -253,19 +254,13 @@ void load_callback_state(C& cb, const c10::IValue& v, const std::string& path) {
 template <class... Cs>
 Dict callbacks_to_state(const std::tuple<Cs...>& callbacks) {
   Dict cbs = make_dict();
-  std::apply(
-      [&](const auto&... cb) {
-        auto one = [&](const auto& c) {
-          if constexpr (StatefulCallback<std::remove_cvref_t<decltype(c)>>) {
-            std::string key = callback_key(c);
-            for (int n = 2; cbs.contains(key); ++n) key = callback_key(c) + "#" + std::to_string(n);
-            cbs.insert(key, callback_state(c));
-          }
-        };
-        (one(cb), ...);
-        (void)one;
-      },
-      callbacks);
+  ::volt::detail::for_each_callback(callbacks, [&](const auto& c) {
+    if constexpr (StatefulCallback<std::remove_cvref_t<decltype(c)>>) {
+      std::string key = callback_key(c);
+      for (int n = 2; cbs.contains(key); ++n) key = callback_key(c) + "#" + std::to_string(n);
+      cbs.insert(key, callback_state(c));
+    }
+  });
   return cbs;
 }
 /// Gives each stateful callback the state saved under its key (none saved: left as it is). For each one loaded,
@@ -274,22 +269,16 @@ template <class... Cs>
 void load_callbacks_state(std::tuple<Cs...>& callbacks, const Dict& states, const std::string& path,
                           std::vector<std::function<void()>>& undo) {
   std::map<std::string, int> seen;
-  std::apply(
-      [&](auto&... cb) {
-        auto one = [&](auto& c) {
-          if constexpr (StatefulCallback<std::remove_cvref_t<decltype(c)>>) {
-            std::string key = callback_key(c);
-            if (const int n = ++seen[key]; n > 1) key += "#" + std::to_string(n);
-            if (!states.contains(key)) return;
-            auto backup = callback_state(c);
-            load_callback_state(c, states.at(key), path);
-            undo.push_back([&c, backup, path] { load_callback_state(c, backup, path); });
-          }
-        };
-        (one(cb), ...);
-        (void)one;
-      },
-      callbacks);
+  ::volt::detail::for_each_callback(callbacks, [&](auto& c) {
+    if constexpr (StatefulCallback<std::remove_cvref_t<decltype(c)>>) {
+      std::string key = callback_key(c);
+      if (const int n = ++seen[key]; n > 1) key += "#" + std::to_string(n);
+      if (!states.contains(key)) return;
+      auto backup = callback_state(c);
+      load_callback_state(c, states.at(key), path);
+      undo.push_back([&c, backup, path] { load_callback_state(c, backup, path); });
+    }
+  });
 }
 
 // ---- a whole fit --------------------------------------------------------------------------------------------

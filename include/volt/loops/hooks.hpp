@@ -109,16 +109,10 @@ enum class Watch { all, not_monitoring, monitoring };
 /// Runs hook `H` on the callbacks in pack order (those `W` selects).
 template <class H, Watch W = Watch::all, class... Cs, class T, class M, class... A>
 void call_callbacks(std::tuple<Cs...>& callbacks, T& trainer, M& module, A&&... args) {
-  std::apply(
-      [&](auto&... cb) {
-        auto one = [&](auto& c) {
-          constexpr bool monitors = monitors_metrics<std::remove_cvref_t<decltype(c)>>;
-          if constexpr (W == Watch::all || (W == Watch::monitoring) == monitors) H::callback(c, trainer, module, args...);
-        };
-        (one(cb), ...);
-        (void)one;  // unused when the pack is empty
-      },
-      callbacks);
+  for_each_callback(callbacks, [&](auto& c) {
+    constexpr bool monitors = monitors_metrics<std::remove_cvref_t<decltype(c)>>;
+    if constexpr (W == Watch::all || (W == Watch::monitoring) == monitors) H::callback(c, trainer, module, args...);
+  });
 }
 
 /// Runs hook `H` on every callback, then on the module; returns the module hook's result.

@@ -6,6 +6,7 @@
 /// amsgrad) and its step count. LibTorch's `Adam`, `AdamW` and `SGD` (and volt::optim's, whose state is theirs).
 
 #include "volt/checkpoint.hpp"
+#include "volt/detail/optimizer_family.hpp"
 #include "volt/errors.hpp"
 #include "volt/optim/fused.hpp"
 
@@ -62,11 +63,12 @@ struct StateCodec<torch::optim::SGDParamState> {
 /// for any other.
 template <class F>
 decltype(auto) with_state_codec(const torch::optim::Optimizer& optimizer, F&& f) {
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
-    return f(StateCodec<torch::optim::AdamWParamState>{});
+  switch (optimizer_family(optimizer)) {
+    case OptimizerFamily::adamw: return f(StateCodec<torch::optim::AdamWParamState>{});
+    case OptimizerFamily::adam: return f(StateCodec<torch::optim::AdamParamState>{});
+    case OptimizerFamily::sgd: return f(StateCodec<torch::optim::SGDParamState>{});
+    default: break;
   }
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return f(StateCodec<torch::optim::AdamParamState>{});
-  if (dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr) return f(StateCodec<torch::optim::SGDParamState>{});
   throw ConfigError("volt: ZeRO shards the state of Adam, AdamW and SGD (torch::optim's or volt::optim's), whose state "
                     "is elementwise; configure_optimizers returned a " + checkpoint::optimizer_kind(optimizer) +
                     ": return one of those, or train with DDP.");

@@ -90,17 +90,12 @@ template <class S, class P, class A, class... Cs>
 std::string Trainer<S, P, A, Cs...>::resolve_ckpt_path(const std::string& path) const {
   if (path != "last" && path != "best") return path;
   bool any = false;
-  std::string found;
-  std::apply([&](const auto&... cb) {
-    auto one = [&](const auto& c) {
-      if constexpr (requires { c.find_last_checkpoint(*this); c.find_best_checkpoint(*this); }) {
-        any = true;
-        if (found.empty()) found = path == "last" ? c.find_last_checkpoint(*this) : c.find_best_checkpoint(*this);
-      }
-    };
-    (one(cb), ...);
-    (void)one;
-  }, callbacks_);
+  const std::string found = detail::first_answer<std::string>(callbacks_, [&](const auto& c)
+    requires requires { c.find_last_checkpoint(*this); c.find_best_checkpoint(*this); }
+  {
+    any = true;  // the first that can find checkpoints is always asked
+    return path == "last" ? c.find_last_checkpoint(*this) : c.find_best_checkpoint(*this);
+  });
   if (!any) {
     throw ConfigError("volt: fit(..., ckpt_path=\"" + path + "\") looks for checkpoints through a ModelCheckpoint "
                       "callback, and this Trainer has none. Add one, or give the checkpoint's file path.");

@@ -478,16 +478,9 @@ void Trainer<S, P, A, Cs...>::stop_if_asked() {
 /// (`interrupted-v1.ckpt`, ... where another run's file, not the one this fit resumed from, has that name).
 template <class S, class P, class A, class... Cs>
 std::string Trainer<S, P, A, Cs...>::signal_checkpoint_path() const {
-  std::string path;
-  std::apply([&](const auto&... cb) {
-    auto one = [&](const auto& c) {
-      if constexpr (requires { { c.signal_checkpoint_path(*this) } -> std::convertible_to<std::string>; }) {
-        if (path.empty()) path = c.signal_checkpoint_path(*this);
-      }
-    };
-    (one(cb), ...);
-    (void)one;
-  }, callbacks_);
+  std::string path = detail::first_answer<std::string>(callbacks_, [this](const auto& c)
+    requires requires { { c.signal_checkpoint_path(*this) } -> std::convertible_to<std::string>; }
+  { return c.signal_checkpoint_path(*this); });
   if (path.empty()) {  // another run's file of that name is kept: interrupted-v1.ckpt, ...
     path = checkpoint::free_checkpoint_path(std::filesystem::path(options_.default_root_dir) / "checkpoints", "interrupted",
                                             true, [&](const std::string& p) {

@@ -198,13 +198,9 @@ void Trainer<S, P, A, Cs...>::send_to_loggers(detail::MetricMap& metrics) {
     auto values = detail::to_doubles(metrics);
     values["epoch"] = static_cast<double>(state_.current_epoch);
     const int64_t step = std::max<int64_t>(state_.global_step - 1, 0);
-    std::apply([&](auto&... cb) {
-      auto one = [&](auto& c) {
-        if constexpr (requires { c.on_log_metrics(*this, values, step); }) c.on_log_metrics(*this, values, step);
-      };
-      (one(cb), ...);
-      (void)one;
-    }, callbacks_);
+    detail::for_each_callback(callbacks_, [&](auto& c) {
+      if constexpr (requires { c.on_log_metrics(*this, values, step); }) c.on_log_metrics(*this, values, step);
+    });
   }
   metrics.clear();
 }
@@ -212,13 +208,9 @@ void Trainer<S, P, A, Cs...>::send_to_loggers(detail::MetricMap& metrics) {
 /// Every logger callback with a `flush()` writes what it holds (callbacks/concept.hpp says when).
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::flush_loggers() {
-  std::apply([](auto&... cb) {
-    auto one = [](auto& c) {
-      if constexpr (requires { c.flush(); }) c.flush();
-    };
-    (one(cb), ...);
-    (void)one;
-  }, callbacks_);
+  detail::for_each_callback(callbacks_, [](auto& c) {
+    if constexpr (requires { c.flush(); }) c.flush();
+  });
 }
 
 /// See the declaration: callback_metrics (and the progress bar) now, loggers at once.
@@ -236,17 +228,8 @@ void Trainer<S, P, A, Cs...>::record_metrics(const std::map<std::string, double>
 /// The first non-empty best_model_path() among the callbacks that have one (callbacks/concept.hpp).
 template <class S, class P, class A, class... Cs>
 std::string Trainer<S, P, A, Cs...>::best_model_path() const {
-  std::string path;
-  std::apply([&](const auto&... cb) {
-    auto one = [&](const auto& c) {
-      if constexpr (requires { c.best_model_path(); }) {
-        if (path.empty()) path = std::string(c.best_model_path());
-      }
-    };
-    (one(cb), ...);
-    (void)one;
-  }, callbacks_);
-  return path;
+  return detail::first_answer<std::string>(
+      callbacks_, [](const auto& c) requires requires { c.best_model_path(); } { return c.best_model_path(); });
 }
 
 }  // namespace volt

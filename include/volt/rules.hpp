@@ -16,7 +16,7 @@
 ///
 /// What `fit` is given is checked when `fit` is instantiated (`detail::CheckedFit`): a module, its training_step for the
 /// loader's batches, one optimizer unless it declares manual optimization, a validation_step when there is a
-/// validation loader. Graph mode's rules that need the module's type are in loops/graphed_step.hpp
+/// validation loader, no manual optimization under a strategy that shards the optimizer (ZeRO). Graph mode's rules that need the module's type are in loops/graphed_step.hpp
 /// (`detail::CheckedGraphRules`): manual optimization, an optimizer that can be captured, no hooks inside the step.
 ///
 /// **The three phases of validation.** Every setting is checked as early as it can be known, and said once:
@@ -212,9 +212,15 @@ constexpr bool validates_on() {
   }
 }
 
-/// Phase (a) for `fit`: the module against the loaders it is given, each rule said alone with its fix (`ok`: all
-/// hold). `Batch` is the training loader's batch type, `ValBatch` the validation loader's (`void`: none).
-template <class M, class Batch, class ValBatch>
+/// A strategy that shards the optimizer's state (ZeRO) steps the optimizer itself, after the gradients' reduce-scatter,
+/// and gathers the parameters after it: a module with manual optimization would bypass both.
+template <class S, class M>
+inline constexpr bool sharded_manual = shards_optimizer_state<S> && manual_optimization<M>;
+
+/// Phase (a) for `fit`: the module against the loaders it is given and the strategy, each rule said alone with its
+/// fix (`ok`: all hold). `Batch` is the training loader's batch type, `ValBatch` the validation loader's (`void`:
+/// none).
+template <class M, class Batch, class ValBatch, class S = SingleDevice>
 struct CheckedFit {
   static_assert(Module<M>,
                 "volt: fit needs a torch::nn::Module (or its TORCH_MODULE holder) with configure_optimizers() "
@@ -235,8 +241,12 @@ struct CheckedFit {
   static_assert(validates_on<M, ValBatch>(),
                 "volt: fit was given a validation loader but the module has no validation_step for its batches. Add "
                 "`void validation_step(const Batch& batch, volt::Context& ctx)`, or call fit without the loader.");
+  static_assert(!sharded_manual<S, M>,
+                "volt: train a module with manual optimization under DDP, or let ZeRO step it automatically: ZeRO "
+                "steps each rank's shard of the optimizer after the gradients' reduce-scatter and gathers the "
+                "parameters after it, which a training_step's own optimizer.step() would bypass.");
   static constexpr bool ok = Module<M> && TrainableOn<M, Batch> && !several_optimizers_automatic<M>() &&
-                             validates_on<M, ValBatch>();
+                             validates_on<M, ValBatch>() && !sharded_manual<S, M>;
 };
 
 }  // namespace detail

@@ -103,7 +103,7 @@ class Trainer {
   FitResult fit(M& module, TrainLoader&& train_loader, ValLoader&& val_loader = {}, std::string ckpt_path = {}) {
     constexpr bool has_val = !std::is_same_v<std::remove_cvref_t<ValLoader>, NoLoader>;
     using ValBatch = typename std::conditional_t<has_val, detail::batch_of<ValLoader>, std::type_identity<void>>::type;
-    if constexpr (!detail::CheckedFit<M, detail::batch_t<TrainLoader>, ValBatch>::ok) {
+    if constexpr (!detail::CheckedFit<M, detail::batch_t<TrainLoader>, ValBatch, strategy_type>::ok) {
       return {};  // the broken rule has been said, alone
     } else {
       if constexpr (detail::captures_step<accelerator_type>) (void)detail::CheckedGraphRules<Trainer, module_impl_t<M>>::ok;

@@ -7,6 +7,9 @@
 
 #include <volt/volt.hpp>
 
+#include <functional>
+#include <map>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +27,8 @@ static_assert(volt::Strategy<volt::DDP<volt::Script, volt::Mpi>>);
 static_assert(volt::Strategy<volt::DDP<volt::Spawn, volt::Nccl>>);
 static_assert(volt::Strategy<volt::ManualParallel<volt::Script>>);
 static_assert(volt::Strategy<volt::ManualParallel<volt::Spawn, volt::Mpi>>);
+static_assert(volt::Strategy<volt::ZeRO<1>>);
+static_assert(volt::Strategy<volt::ZeRO<2, volt::Spawn, volt::Mpi>>);
 static_assert(volt::Strategy<vt::CountingStrategy>);  // written from strategies/concept.hpp alone
 static_assert(!volt::Strategy<volt::Fp32>);
 static_assert(!volt::Strategy<volt::CPU>);
@@ -36,11 +41,35 @@ static_assert(volt::Precision<volt::Fp16Mixed>);
 static_assert(volt::Precision<volt::Bf16True>);
 static_assert(!volt::Precision<volt::SingleDevice>);
 static_assert(!volt::Precision<volt::GPU>);
+static_assert(!volt::Precision<volt::CPU>);
+static_assert(std::is_same_v<volt::Bf16, volt::Bf16Mixed> && std::is_same_v<volt::Fp16, volt::Fp16Mixed>);
+// a precision without ZeRO's inf agreement (precision/concept.hpp's agree_found_inf) is no precision
+struct NoInfAgreement {
+  struct NoGuard {};
+  static constexpr const char* name = "NoInfAgreement";
+  static constexpr bool needs_fp16_autocast = false, needs_bf16_autocast = false, converts_inputs = false;
+  static constexpr torch::Dtype input_dtype = torch::kFloat32;
+  static constexpr bool scales_loss = true;
+  NoGuard forward_context(c10::DeviceType) { return {}; }
+  void convert_module(torch::nn::Module&) {}
+  void backward(const torch::Tensor& loss) { loss.backward(); }
+  void unscale_gradients(torch::optim::Optimizer&) {}
+  bool optimizer_step(torch::optim::Optimizer&) { return true; }
+  void update() {}
+  std::map<std::string, double> state_dict() const { return {}; }
+  void load_state_dict(const std::map<std::string, double>&) {}
+};
+static_assert(!volt::Precision<NoInfAgreement>);
+struct WithInfAgreement : NoInfAgreement {
+  void agree_found_inf(torch::optim::Optimizer&, const std::function<void(torch::Tensor&)>&) {}
+};
+static_assert(volt::Precision<WithInfAgreement>);
 
 static_assert(volt::Accelerator<CPU>);
 static_assert(volt::Accelerator<GPU>);
 static_assert(!volt::Accelerator<volt::Fp32>);
 static_assert(!volt::Accelerator<volt::SingleDevice>);
+static_assert(!volt::Accelerator<int>);
 
 static_assert(volt::Launcher<volt::Script>);
 static_assert(volt::Launcher<volt::Spawn>);
@@ -60,6 +89,10 @@ static_assert(volt::Bf16AutocastAvailable<volt::Bf16Mixed, CPU>);
 static_assert(volt::Bf16AutocastAvailable<volt::Bf16Mixed, GPU>);
 static_assert(volt::Fp16AutocastAvailable<volt::Fp32, CPU> && volt::Bf16AutocastAvailable<volt::Fp32, CPU>);
 static_assert(volt::Fp16AutocastAvailable<volt::Bf16True, CPU> && volt::Fp16AutocastAvailable<volt::Fp64True, CPU>);
+struct Fp16Cpu : CPU {  // a user's accelerator claiming float16 autocast takes part on equal terms
+  static constexpr bool has_fp16_autocast = true;
+};
+static_assert(volt::Fp16AutocastAvailable<volt::Fp16Mixed, Fp16Cpu>);
 // a strategy's collective backend takes the accelerator's tensors (Nccl: CUDA only; Mpi: both, through host memory)
 static_assert(!volt::BackendRunsOn<volt::DDP<volt::Script, volt::Nccl>, CPU>);
 static_assert(volt::BackendRunsOn<volt::DDP<volt::Script, volt::Nccl>, GPU>);
@@ -93,6 +126,18 @@ static_assert(first_broken_rule<volt::SingleDevice, volt::Fp16Mixed, volt::Graph
 static_assert(first_broken_rule<volt::DDP<volt::Script>, volt::Fp32, volt::Graphed<GraphCPU>>() ==
               Rule::graph_distributed);
 static_assert(first_broken_rule<volt::DDP<volt::Script>, volt::Fp32, GraphCPU>() == Rule::none);  // not graphed
+static_assert(first_broken_rule<volt::ZeRO<2>, volt::Fp32, volt::Graphed<GraphCPU>>() == Rule::graph_distributed);
+static_assert(!volt::BackendRunsOn<volt::ZeRO<1, volt::Script, volt::Nccl>, CPU>);
+// ZeRO steps the optimizer itself: it shards its state, and refuses manual optimization (rules.hpp's CheckedFit)
+struct ManualFlag {
+  static constexpr bool automatic_optimization = false;
+};
+struct AutomaticFlag {};
+static_assert(volt::detail::shards_optimizer_state<volt::ZeRO<1>> && volt::detail::shards_optimizer_state<volt::ZeRO<2>>);
+static_assert(!volt::detail::shards_optimizer_state<volt::DDP<volt::Script>>);
+static_assert(volt::detail::sharded_manual<volt::ZeRO<1>, ManualFlag>);
+static_assert(!volt::detail::sharded_manual<volt::DDP<volt::Script>, ManualFlag>);
+static_assert(!volt::detail::sharded_manual<volt::ZeRO<2>, AutomaticFlag>);
 // which optimizers a captured step can hold (optim/fused.hpp)
 static_assert(volt::optim::CapturableOptimizer<volt::optim::Adam> && volt::optim::CapturableOptimizer<volt::optim::SGD>);
 static_assert(volt::optim::CapturableOptimizer<volt::optim::AdamW>);
@@ -109,6 +154,9 @@ static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::DDP<volt::Spawn
 static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::DDP<volt::Script>, GPU>, volt::DDP<volt::Script, volt::Nccl>>);
 static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::ManualParallel<volt::Script>, CPU>,
                              volt::ManualParallel<volt::Script, volt::Mpi>>);
+static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::ZeRO<2, volt::Spawn>, CPU>,
+                             volt::ZeRO<2, volt::Spawn, volt::Mpi>>);
+static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::ZeRO<1>, GPU>, volt::ZeRO<1, volt::Script, volt::Nccl>>);
 static_assert(std::is_same_v<volt::detail::bind_strategy_t<volt::SingleDevice, GPU>, volt::SingleDevice>);
 static_assert(std::is_same_v<volt::detail::bind_strategy_t<vt::CountingStrategy, CPU>, vt::CountingStrategy>);
 // a Trainer type's strategy_type is the bound one
@@ -121,6 +169,7 @@ static_assert(!volt::detail::slots_ok<volt::Fp32, volt::SingleDevice, CPU>);
 // ---- capabilities the loops read ----------------------------------------------------------------------------
 // one file from rank zero holds the model only when every rank holds the same parameters (strategies/concept.hpp)
 static_assert(volt::SingleDevice::replicates_module && volt::DDP<volt::Script>::replicates_module);
+static_assert(volt::ZeRO<2>::replicates_module);  // its checkpoint's optimizer state is gathered to rank zero
 static_assert(!volt::ManualParallel<volt::Script>::replicates_module);
 static_assert(std::is_void_v<volt::SingleDevice::backend_type>);
 static_assert(std::is_same_v<volt::DDP<volt::Script, volt::Mpi>::backend_type, volt::Mpi>);

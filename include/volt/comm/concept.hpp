@@ -53,10 +53,24 @@ inline int64_t block_numel(const torch::Tensor& flat, int world, const char* wha
   return flat.numel() / world;
 }
 
+/// The block arithmetic of reduce-scatter and all-gather, in one place (the collectives, ZeRO's reducer and its
+/// layout use it): a flat buffer of `numel` elements, a multiple of the world size `world`, cut into `world` equal
+/// blocks; rank r's block is [start(r), end(r)).
+struct Blocks {
+  int64_t numel = 0;
+  int world = 1;
+
+  /// `numel` elements padded to the next multiple of `world`.
+  static Blocks padded(int64_t numel, int world) { return {(numel + world - 1) / world * world, world}; }
+  int64_t size() const { return numel / world; }
+  int64_t start(int rank) const { return rank * size(); }
+  int64_t end(int rank) const { return (rank + 1) * size(); }
+};
+
 /// Rank `rank`'s block of the flat tensor `flat` cut into `world` equal blocks (a view).
 inline torch::Tensor block_of(const torch::Tensor& flat, int rank, int world) {
-  const int64_t n = flat.numel() / world;
-  return flat.narrow(0, rank * n, n);
+  const Blocks blocks{flat.numel(), world};
+  return flat.narrow(0, blocks.start(rank), blocks.size());
 }
 }  // namespace detail
 

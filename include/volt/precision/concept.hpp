@@ -14,6 +14,7 @@
 /// | `convert_module(torch::nn::Module&)` | once, after the strategy placed the module ("true" precisions cast it) |
 /// | `backward(const torch::Tensor& loss)` | runs backward (Fp16Mixed scales the loss first) |
 /// | `unscale_gradients(torch::optim::Optimizer&)` | before hooks and clipping see the gradients |
+/// | `agree_found_inf(torch::optim::Optimizer&, const std::function<void(torch::Tensor&)>& max_over_ranks)` | before the step where each rank holds a shard of the gradients (ZeRO): the inf/NaN flag passed to `max_over_ranks`, so every rank skips the same steps (a precision without loss scaling has none: the default does nothing) |
 /// | `optimizer_step(torch::optim::Optimizer&) -> bool` | steps; false when the step was skipped (inf/NaN) |
 /// | `optimizer_step_on_device(O&)` (for `Graphed`) | the same with nothing read on the host: `O::step_on_device(found_inf)` |
 /// | `static constexpr bool scales_loss` | backward scales the loss, and `update()` adjusts the scale (manual optimization then steps each optimizer at most once per training_step) |
@@ -29,6 +30,7 @@
 #include <torch/types.h>
 
 #include <concepts>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -37,7 +39,7 @@ namespace volt {
 template <class P>
 concept Precision = std::default_initializable<P> &&
     requires(P& p, const P& cp, const torch::Tensor& loss, torch::optim::Optimizer& opt, torch::nn::Module& m,
-             const std::map<std::string, double>& state) {
+             const std::map<std::string, double>& state, const std::function<void(torch::Tensor&)>& max_over_ranks) {
       { P::name } -> std::convertible_to<const char*>;
       { P::needs_fp16_autocast } -> std::convertible_to<bool>;
       { P::needs_bf16_autocast } -> std::convertible_to<bool>;
@@ -48,6 +50,7 @@ concept Precision = std::default_initializable<P> &&
       p.convert_module(m);
       p.backward(loss);
       p.unscale_gradients(opt);
+      p.agree_found_inf(opt, max_over_ranks);
       { p.optimizer_step(opt) } -> std::same_as<bool>;
       p.update();
       { cp.state_dict() } -> std::same_as<std::map<std::string, double>>;
@@ -67,6 +70,8 @@ struct PrecisionDefaults {
   void convert_module(torch::nn::Module&) {}
   void backward(const torch::Tensor& loss) { loss.backward(); }
   void unscale_gradients(torch::optim::Optimizer&) {}
+  /// No loss scale, so no inf/NaN flag to agree on.
+  void agree_found_inf(torch::optim::Optimizer&, const std::function<void(torch::Tensor&)>& /*max_over_ranks*/) {}
   bool optimizer_step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return true;

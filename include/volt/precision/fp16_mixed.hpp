@@ -4,6 +4,8 @@
 #include "volt/precision/concept.hpp"
 #include "volt/precision/grad_scaler.hpp"
 
+#include <functional>
+
 namespace volt {
 
 /// Mixed float16: float32 parameters and optimizer, each step's forward under autocast to float16, and
@@ -26,6 +28,10 @@ class Fp16Mixed : public PrecisionDefaults {
   void convert_module(torch::nn::Module&) { scaler_.discard_pending(); }
   void backward(const torch::Tensor& loss) { scaler_.scale(loss).backward(); }
   void unscale_gradients(torch::optim::Optimizer& optimizer) { scaler_.unscale_(optimizer); }
+  /// The loss scale's inf/NaN flag made to agree across ranks that hold shards of the gradients (ZeRO).
+  void agree_found_inf(torch::optim::Optimizer& optimizer, const std::function<void(torch::Tensor&)>& max_over_ranks) {
+    scaler_.agree_found_inf(optimizer, max_over_ranks);
+  }
   bool optimizer_step(torch::optim::Optimizer& optimizer) { return scaler_.step(optimizer); }
   /// Graph mode's step: the fused step skips on the device when an inf/NaN was found.
   template <class O>

@@ -108,7 +108,8 @@ class DDP : public detail::ProcessGroupStrategy<L, B> {
     reducer_.reset();
   }
 
-  /// Bytes of gradients this rank holds between steps, during a fit: the module's `.grad` and the reducer's buckets.
+  /// Bytes of gradients this rank holds between steps, during a fit: the module's `.grad` and the reducer's buffers
+  /// (ZeRO<2>: its blocks); not the optimizer's state.
   std::size_t gradient_bytes() const { return reducer_ ? reducer_->gradient_bytes() : 0; }
 
   /// The gradient buckets of the running or last fit (parameter indices in fill order); empty before the
@@ -123,6 +124,7 @@ class DDP : public detail::ProcessGroupStrategy<L, B> {
     }
   }
   std::vector<torch::Tensor> params_;
+  /// The gradients' reducer, the one of DDP and of ZeRO (which makes it with its own GradSync in setup_optimizer).
   std::unique_ptr<detail::Reducer<B>> reducer_;
   std::vector<std::vector<std::size_t>> layout_;
   std::size_t first_bucket_bytes_ = detail::kFirstBucketBytes;

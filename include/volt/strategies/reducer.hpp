@@ -259,9 +259,9 @@ class Reducer {
   /// block; the buffer is made as gradients arrive).
   void close_bucket(Bucket& b) {
     const bool padded = sync_ != GradSync::all_reduce;
-    b.numel = padded ? (offset_ + world_size_ - 1) / world_size_ * world_size_ : offset_;
+    b.numel = padded ? Blocks::padded(offset_, world_size_).numel : offset_;
     if (sync_ == GradSync::reduce_scatter_to_blocks) {
-      blocks_.push_back(torch::zeros({b.numel / world_size_}, b.options));
+      blocks_.push_back(torch::zeros({Blocks{b.numel, world_size_}.size()}, b.options));
     } else {
       b.flat = torch::zeros({b.numel}, b.options);
     }

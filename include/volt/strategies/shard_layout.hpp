@@ -4,6 +4,7 @@
 /// reducer's buckets, each a flat buffer padded to a multiple of the world size W, every parameter a view into its
 /// bucket; rank r owns block r of every bucket, and its pieces are the parts of parameters inside its blocks.
 
+#include "volt/comm/concept.hpp"
 #include "volt/errors.hpp"
 
 #include <torch/types.h>
@@ -56,7 +57,7 @@ class ShardLayout {
         view.copy_(p.detach().reshape(-1));
         p.set_data(view.view(p.sizes()));
         locations_[b.members[k]] = Location{i, b.offsets[k], true};
-        add_piece(i, k, b.members[k], b.offsets[k], p.numel(), flat, b.numel / world);
+        add_piece(i, k, b.members[k], b.offsets[k], p.numel(), flat, Blocks{b.numel, world});
       }
       flats_.push_back(std::move(flat));
     }
@@ -70,7 +71,7 @@ class ShardLayout {
     const auto it = piece_index_.find(param);
     return it == piece_index_.end() ? nullptr : &pieces_[it->second];
   }
-  int64_t block_start(std::size_t bucket) const { return rank_ * (flats_[bucket].numel() / world_); }
+  int64_t block_start(std::size_t bucket) const { return Blocks{flats_[bucket].numel(), world_}.start(rank_); }
   /// Throws unless every laid-out parameter still lives in its bucket (a `module.to()` or `set_data` during the fit
   /// would have moved it out, and the optimizer's pieces would step a copy no forward reads).
   void check_aliasing(const std::vector<at::Tensor>& params) const {
@@ -96,8 +97,8 @@ class ShardLayout {
 
  private:
   void add_piece(std::size_t bucket, std::size_t slot, std::size_t param, int64_t offset, int64_t numel,
-                 const at::Tensor& flat, int64_t block) {
-    const int64_t lo = std::max(offset, rank_ * block), hi = std::min(offset + numel, (rank_ + 1) * block);
+                 const at::Tensor& flat, const Blocks& blocks) {
+    const int64_t lo = std::max(offset, blocks.start(rank_)), hi = std::min(offset + numel, blocks.end(rank_));
     if (lo >= hi) return;
     piece_index_[param] = pieces_.size();
     pieces_.push_back(ShardPiece{param, bucket, slot, lo - offset, lo, hi - lo, alias(flat, lo, hi - lo)});

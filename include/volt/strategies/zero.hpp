@@ -78,12 +78,12 @@ class ZeRO : public DDP<L, B> {
       throw ConfigError("volt: ZeRO shards an optimizer before its first step; the one configure_optimizers returned "
                         "already holds state. Load state through fit(..., ckpt_path) instead.");
     }
-    if (!reducer_) {
-      reducer_ = std::make_unique<detail::Reducer<B>>(this->params_, this->backend(), this->world_size(),
+    if (!this->reducer_) {
+      this->reducer_ = std::make_unique<detail::Reducer<B>>(this->params_, this->backend(), this->world_size(),
                                                       this->first_bucket_bytes_, this->bucket_bytes_,
                                                       Stage == 1 ? detail::GradSync::reduce_scatter
                                                                  : detail::GradSync::reduce_scatter_to_blocks);
-      shards_ = std::make_unique<detail::ShardLayout>(reducer_->buckets(), this->params_, this->global_rank(),
+      shards_ = std::make_unique<detail::ShardLayout>(this->reducer_->buckets(), this->params_, this->global_rank(),
                                                       this->world_size());
     }
     std::vector<std::vector<at::Tensor>> full;
@@ -104,21 +104,21 @@ class ZeRO : public DDP<L, B> {
     require_layout();
     if (sync) shards_->check_aliasing(this->params_);
     synced_ = sync;
-    reducer_->prepare(sync);
+    this->reducer_->prepare(sync);
   }
   /// After a synchronised backward: the pieces' gradients are this rank's averaged blocks.
   void post_backward() {
-    reducer_->finish();
+    this->reducer_->finish();
     if (!synced_) return;
     synced_ = false;
-    const auto& buckets = reducer_->buckets();
+    const auto& buckets = this->reducer_->buckets();
     for (const detail::ShardPiece& piece : shards_->pieces()) {
       const auto& b = buckets[piece.bucket];
       at::Tensor& g = piece.tensor.mutable_grad();
       if (!b.taking_part[piece.slot]) {
         g = at::Tensor();
       } else if constexpr (Stage == 2) {
-        g = detail::alias(reducer_->blocks()[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket),
+        g = detail::alias(this->reducer_->blocks()[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket),
                           piece.numel);
       } else {
         g = detail::alias(b.flat, piece.bucket_offset, piece.numel);
@@ -143,9 +143,7 @@ class ZeRO : public DDP<L, B> {
   /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.
   template <class P>
   bool optimizer_step(P& precision, torch::optim::Optimizer& optimizer) {
-    if constexpr (requires { precision.scaler().agree_found_inf(optimizer, [](at::Tensor&) {}); }) {
-      precision.scaler().agree_found_inf(optimizer, [&](at::Tensor& found) { this->backend().all_reduce_(found, Reduce::max); });
-    }
+    precision.agree_found_inf(optimizer, [&](at::Tensor& found) { this->backend().all_reduce_(found, Reduce::max); });
     const bool stepped = precision.optimizer_step(optimizer);
     if (stepped) gather_parameters();
     return stepped;
@@ -160,21 +158,14 @@ class ZeRO : public DDP<L, B> {
   /// After a run: the gradient hooks stay until the next fit's layout, with the pieces the optimizer holds (a save
   /// after the fit gathers them); the bucket layout stays readable.
   void teardown() {
-    if (reducer_) this->layout_ = reducer_->bucket_layout();
+    if (this->reducer_) this->layout_ = this->reducer_->bucket_layout();
   }
-  /// The buckets of the running or last fit (parameter indices in fill order).
-  std::vector<std::vector<std::size_t>> bucket_layout() const { return reducer_ ? reducer_->bucket_layout() : this->layout_; }
-
-  /// Bytes this rank holds between steps: gradients (the module's `.grad`, the reducer's buffers, stage 2's blocks)
-  /// and `optimizer`'s state.
-  std::size_t gradient_bytes() const { return reducer_ ? reducer_->gradient_bytes() : 0; }
-
  private:
   void require_layout() const {
     if (!shards_) throw std::logic_error("volt: ZeRO's backward ran before setup_optimizer laid the parameters out.");
   }
   void drop_layout() {
-    reducer_.reset();
+    this->reducer_.reset();
     shards_.reset();
     full_params_.clear();
   }
@@ -252,7 +243,6 @@ class ZeRO : public DDP<L, B> {
   std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> cut_states(torch::optim::Optimizer& optimizer,
                                                                              const std::string& path);
 
-  std::unique_ptr<detail::Reducer<B>> reducer_;
   std::unique_ptr<detail::ShardLayout> shards_;
   std::unordered_map<const torch::optim::Optimizer*, std::vector<std::vector<at::Tensor>>> full_params_;
   bool synced_ = false;

@@ -80,10 +80,6 @@ concept FindsLastCheckpoint = requires(const C& c, const T& t) {
 template <class S, class P, class A, class... Cs>
 template <class Impl, class TL, class VL>
 void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const std::string& ckpt_path) {
-  static_assert(!(manual_optimization<Impl> && detail::shards_optimizer_state<strategy_type>),
-                "volt: train a module with manual optimization under DDP, or let ZeRO step it automatically: ZeRO "
-                "steps each rank's shard of the optimizer after the gradients' reduce-scatter and gathers the "
-                "parameters after it, which a training_step's own optimizer.step() would bypass.");
   state_ = detail::LoopState{};
   progress_ = detail::FitProgress{};
   train_store_.clear();

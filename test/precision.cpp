@@ -231,7 +231,7 @@ TEST_CASE("the loss scaler's state survives a checkpoint round trip", "[checkpoi
   volt::checkpoint::save((dir / "s.ckpt").string(), d);
   const auto back = volt::checkpoint::read((dir / "s.ckpt").string());
   volt::GradScaler b;  // other options: the state brings its own
-  b.load_state_dict(volt::checkpoint::to_map(back.at("precision").toGenericDict(), "s.ckpt"));
+  b.load_state_dict(volt::checkpoint::View(back, "s.ckpt").sub("precision").numbers());
   CHECK(b.get_scale() == 256.0);
   CHECK(b.growth_tracker() == 2);
   CHECK(b.options().backoff_factor == 0.25);

@@ -277,11 +277,46 @@ inline Dict decode(const std::vector<char>& bytes, const std::string& path) {
   return d;
 }
 
-/// A required entry of a checkpoint dictionary, with an error naming the file when it is missing.
-inline c10::IValue entry(const Dict& d, const std::string& key, const std::string& path) {
-  if (!d.contains(key)) throw CheckpointError("volt: " + path + " has no \"" + key + "\" entry.");
-  return d.at(key);
-}
+/// A checkpoint read and checked as a file (`read`, `decode`), or one dictionary inside it, with the file it came
+/// from. Every reader of a resume (the module's weights, the loops, the optimizers, the loader, the metrics, the
+/// generators, the callbacks) asks its view for entries, and the view's errors name the file: nothing passes the
+/// path along.
+class View {
+ public:
+  View(Dict d, std::string path) : d_(std::move(d)), path_(std::move(path)) {}
+  /// The checkpoint at `path`, read and checked.
+  static View read(const std::string& path) { return View(checkpoint::read(path), path); }
+
+  const std::string& path() const { return path_; }
+  const Dict& dict() const { return d_; }
+  bool has(const std::string& key) const { return d_.contains(key); }
+  /// A required entry (missing: an error naming the file).
+  c10::IValue at(const std::string& key) const {
+    if (!has(key)) fail(" has no \"" + key + "\" entry.");
+    return d_.at(key);
+  }
+  int64_t integer(const std::string& key) const { return at(key).toInt(); }
+  bool flag(const std::string& key) const { return at(key).toBool(); }
+  /// A required dictionary entry, or a dictionary taken from a list in it, as a view of the same file.
+  View sub(const std::string& key) const { return of(at(key)); }
+  View of(const c10::IValue& dict) const { return View(dict.toGenericDict(), path_); }
+  /// This dictionary as numbers by name (a precision's or a callback's state).
+  std::map<std::string, double> numbers() const {
+    std::map<std::string, double> out;
+    for (const auto& e : d_) {
+      if (!e.value().isDouble() && !e.value().isInt()) fail(": \"" + e.key().toStringRef() + "\" should be a number.");
+      out.emplace(e.key().toStringRef(),
+                  e.value().isDouble() ? e.value().toDouble() : static_cast<double>(e.value().toInt()));
+    }
+    return out;
+  }
+  /// Throws a CheckpointError: "volt: <path>" followed by `what`.
+  [[noreturn]] void fail(const std::string& what) const { throw CheckpointError("volt: " + path_ + what); }
+
+ private:
+  Dict d_;
+  std::string path_;
+};
 
 // ---- pieces --------------------------------------------------------------------------------------------
 
@@ -305,8 +340,10 @@ inline c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& 
   return out;
 }
 
-/// Throws unless `state` has exactly the module's names with the same shapes (names every difference).
-inline void check_module_state(const torch::nn::Module& module, const Dict& state, const std::string& path) {
+/// Throws unless the weights `view` holds have exactly the module's names with the same shapes (names every
+/// difference).
+inline void check_module_state(const torch::nn::Module& module, const View& view) {
+  const Dict& state = view.dict();
   std::map<std::string, at::Tensor> mine;
   for (const auto& p : module.named_parameters(true)) mine.emplace(p.key(), p.value());
   for (const auto& b : module.named_buffers(true)) {
@@ -329,7 +366,7 @@ inline void check_module_state(const torch::nn::Module& module, const Dict& stat
     if (!seen.count(k)) missing << " " << k;
   }
   if (!missing.str().empty() || !unexpected.str().empty() || !shapes.str().empty()) {
-    std::string msg = "volt: the weights in " + path + " do not fit this module:";
+    std::string msg = "volt: the weights in " + view.path() + " do not fit this module:";
     if (!missing.str().empty()) msg += " missing" + missing.str() + ";";
     if (!unexpected.str().empty()) msg += " not in the module" + unexpected.str() + ";";
     if (!shapes.str().empty()) msg += " other shapes" + shapes.str() + ";";
@@ -416,16 +453,6 @@ inline Dict from_map(const std::map<std::string, double>& m) {
   for (const auto& [k, v] : m) d.insert(k, v);
   return d;
 }
-inline std::map<std::string, double> to_map(const Dict& d, const std::string& path) {
-  std::map<std::string, double> out;
-  for (const auto& e : d) {
-    if (!e.value().isDouble() && !e.value().isInt()) {
-      throw CheckpointError("volt: " + path + ": \"" + e.key().toStringRef() + "\" should be a number.");
-    }
-    out.emplace(e.key().toStringRef(), e.value().isDouble() ? e.value().toDouble() : static_cast<double>(e.value().toInt()));
-  }
-  return out;
-}
 
 /// The default generators of this process: CPU, then every CUDA device (when there are any).
 inline std::vector<at::Generator> default_generators() {
@@ -463,10 +490,9 @@ inline void set_rng_states(const std::vector<at::Tensor>& states) {
 /// Loads the weights (parameters and buffers) of a volt checkpoint into `module`, for inference or
 /// fine-tuning; the checkpoint is checked whole first, and nothing is copied unless every name and shape fits.
 inline void load_weights(torch::nn::Module& module, const std::string& path) {
-  const checkpoint::Dict d = checkpoint::read(path);
-  const checkpoint::Dict state = checkpoint::entry(d, "state_dict", path).toGenericDict();
-  checkpoint::check_module_state(module, state, path);
-  checkpoint::load_module_state(module, state);
+  const checkpoint::View state = checkpoint::View::read(path).sub(checkpoint::keys::state_dict);
+  checkpoint::check_module_state(module, state);
+  checkpoint::load_module_state(module, state.dict());
 }
 
 }  // namespace volt

@@ -105,7 +105,8 @@ void resume_from(const Dict& file) {
   auto params = net->parameters();
   auto config = net->configure_optimizers();
   volt::checkpoint::ResumeState r = volt::checkpoint::resume_state_of(
-      file, "input", *net, train, volt::checkpoint::FitShape{params.size(), {/*has_scheduler=*/true}}, 0);
+      volt::checkpoint::View(file, "input"), *net, train,
+      volt::checkpoint::FitShape{params.size(), {/*has_scheduler=*/true}}, 0);
   volt::checkpoint::load_optimizer_state(*config.optimizer, r.optimizers.at(0), "input");
   volt::checkpoint::load_scheduler_step_count(*config.scheduler, r.scheduler_step_counts.at(0));
   volt::checkpoint::load_module_state(*net, r.weights);

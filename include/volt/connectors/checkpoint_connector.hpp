@@ -61,9 +61,9 @@ inline Dict loader_state_to_dict(const data::LoaderState& s) {
   d.insert(loader_keys::world_size, static_cast<int64_t>(s.world_size));
   return d;
 }
-inline data::LoaderState loader_state_from_dict(const Dict& d, const std::string& path) {
-  auto i = [&](const char* k) { return entry(d, k, path).toInt(); };
-  auto b = [&](const char* k) { return entry(d, k, path).toBool(); };
+inline data::LoaderState loader_state_from_dict(const View& d) {
+  auto i = [&](const char* k) { return d.integer(k); };
+  auto b = [&](const char* k) { return d.flag(k); };
   return data::LoaderState{i(loader_keys::epoch), i(loader_keys::consumed), i(loader_keys::dataset_size),
                            i(loader_keys::batch_size), static_cast<uint64_t>(i(loader_keys::seed)),
                            b(loader_keys::shuffle), b(loader_keys::drop_last),
@@ -101,22 +101,23 @@ inline c10::impl::GenericList metrics_to_state(volt::detail::MetricStore& store)
   }
   return out;
 }
-inline std::vector<volt::detail::MetricEntry> metrics_from_state(const c10::IValue& v, const std::string& path) {
+/// The metric sums `file` holds.
+inline std::vector<volt::detail::MetricEntry> metrics_from_state(const View& file) {
   std::vector<volt::detail::MetricEntry> out;
-  for (const auto& item : v.toListRef()) {
-    const auto d = item.toGenericDict();
-    auto b = [&](const char* k) { return entry(d, k, path).toBool(); };
+  for (const auto& item : file.at(keys::metrics).toListRef()) {
+    const View d = file.of(item);
+    auto b = [&](const char* k) { return d.flag(k); };
     volt::detail::MetricEntry e;
-    e.name = entry(d, metric_keys::name, path).toStringRef();
+    e.name = d.at(metric_keys::name).toStringRef();
     e.on_step = b(metric_keys::on_step);
     e.on_epoch = b(metric_keys::on_epoch);
     e.prog_bar = b(metric_keys::prog_bar);
     e.logger = b(metric_keys::logger);
     e.sync_dist = b(metric_keys::sync_dist);
-    e.reduce = static_cast<Reduce>(entry(d, metric_keys::reduce, path).toInt());
-    const c10::IValue acc = entry(d, metric_keys::accumulated, path);
+    e.reduce = static_cast<Reduce>(d.integer(metric_keys::reduce));
+    const c10::IValue acc = d.at(metric_keys::accumulated);
     if (acc.isTensor()) e.accumulated = acc.toTensor();
-    e.weight = entry(d, metric_keys::weight, path).toDouble();
+    e.weight = d.at(metric_keys::weight).toDouble();
     out.push_back(std::move(e));
   }
   return out;
@@ -177,9 +178,9 @@ inline at::Tensor rank_row(const at::Tensor& all, int rank) {
 }
 
 /// This rank's generator states, in `rng_states()` order.
-inline std::vector<at::Tensor> rng_from_state(const Dict& r, const std::string& path, int rank) {
-  std::vector<at::Tensor> out{rank_row(entry(r, kRngCpu, path).toTensor(), rank)};
-  for (const auto& t : entry(r, kRngCuda, path).toListRef()) out.push_back(rank_row(t.toTensor(), rank));
+inline std::vector<at::Tensor> rng_from_state(const View& r, int rank) {
+  std::vector<at::Tensor> out{rank_row(r.at(kRngCpu).toTensor(), rank)};
+  for (const auto& t : r.at(kRngCuda).toListRef()) out.push_back(rank_row(t.toTensor(), rank));
   // Each state tried on a copy of its generator now, so a damaged one is refused before anything is loaded.
   auto generators = default_generators();
   for (std::size_t i = 0; i < std::min(out.size(), generators.size()); ++i) {
@@ -187,8 +188,8 @@ inline std::vector<at::Tensor> rng_from_state(const Dict& r, const std::string& 
       at::Generator copy = generators[i].clone();
       copy.set_state(out[i]);
     } catch (const std::exception& e) {
-      throw CheckpointError("volt: " + path + " holds a random generator state that does not fit generator " +
-                            std::to_string(i) + " (" + volt::checkpoint::detail::first_line(e.what()) + ").");
+      r.fail(" holds a random generator state that does not fit generator " + std::to_string(i) + " (" +
+             volt::checkpoint::detail::first_line(e.what()) + ").");
     }
   }
   return out;
@@ -242,11 +243,11 @@ c10::IValue callback_state(const C& cb) {
   }
 }
 template <class C>
-void load_callback_state(C& cb, const c10::IValue& v, const std::string& path) {
+void load_callback_state(C& cb, const View& state) {
   if constexpr (requires(const std::map<std::string, double>& m) { cb.load_state_dict(m); }) {
-    cb.load_state_dict(to_map(v.toGenericDict(), path));
+    cb.load_state_dict(state.numbers());
   } else {
-    cb.load_state_dict(v.toGenericDict());
+    cb.load_state_dict(state.dict());
   }
 }
 
@@ -266,17 +267,16 @@ Dict callbacks_to_state(const std::tuple<Cs...>& callbacks) {
 /// Gives each stateful callback the state saved under its key (none saved: left as it is). For each one loaded,
 /// `undo` receives a function that puts its previous state back.
 template <class... Cs>
-void load_callbacks_state(std::tuple<Cs...>& callbacks, const Dict& states, const std::string& path,
-                          std::vector<std::function<void()>>& undo) {
+void load_callbacks_state(std::tuple<Cs...>& callbacks, const View& states, std::vector<std::function<void()>>& undo) {
   std::map<std::string, int> seen;
   ::volt::detail::for_each_callback(callbacks, [&](auto& c) {
     if constexpr (StatefulCallback<std::remove_cvref_t<decltype(c)>>) {
       std::string key = callback_key(c);
       if (const int n = ++seen[key]; n > 1) key += "#" + std::to_string(n);
-      if (!states.contains(key)) return;
-      auto backup = callback_state(c);
-      load_callback_state(c, states.at(key), path);
-      undo.push_back([&c, backup, path] { load_callback_state(c, backup, path); });
+      if (!states.has(key)) return;
+      const View backup = states.of(callback_state(c));
+      load_callback_state(c, states.sub(key));
+      undo.push_back([&c, backup] { load_callback_state(c, backup); });
     }
   });
 }
@@ -317,9 +317,8 @@ inline void write_fit_state(Dict& d, const FitState& s) {
 
 /// A checkpoint read for resuming, every entry checked against the fit that resumes.
 struct ResumeState {
-  std::string path;
   /// The whole file (the module's on_load_checkpoint sees it).
-  Dict file = make_dict();
+  View file;
   Dict weights = make_dict();
   /// Where the fit loop goes on (with this rank's generator states).
   volt::detail::ResumePoint point;
@@ -330,7 +329,8 @@ struct ResumeState {
   std::vector<int64_t> scheduler_step_counts;
   std::map<std::string, double> precision;
   std::vector<volt::detail::MetricEntry> metrics;
-  Dict callbacks = make_dict();
+  /// The callbacks' states (a view of `file`).
+  View callbacks;
   /// This rank's gradients accumulated so far in the saved window, one per parameter (empty: none saved).
   std::vector<std::optional<at::Tensor>> grads;
 };
@@ -345,91 +345,86 @@ struct FitShape {
 /// scheduler counts, the training loader's position (for a loader that keeps one), the gradients' count. Throws
 /// `CheckpointError` naming the file and the fault; changes nothing.
 template <class TrainLoader>
-ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn::Module& module,
-                            const TrainLoader& train_loader, const FitShape& fit, int rank);
+ResumeState resume_state_of(const View& file, const torch::nn::Module& module, const TrainLoader& train_loader,
+                            const FitShape& fit, int rank);
 
 template <class TrainLoader>
 ResumeState read_for_resume(const std::string& path, const torch::nn::Module& module, const TrainLoader& train_loader,
                             const FitShape& fit, int rank) {
-  return resume_state_of(read(path), path, module, train_loader, fit, rank);
+  return resume_state_of(View::read(path), module, train_loader, fit, rank);
 }
 
 /// The optimizers' and schedulers' entries of `d`, checked against the fit's counts.
-inline void read_optimizers(const Dict& d, const std::string& path, const FitShape& fit, ResumeState& r) {
-  const auto optimizers = entry(d, keys::optimizer_states, path).toListRef();
+inline void read_optimizers(const View& d, const FitShape& fit, ResumeState& r) {
+  const auto optimizers = d.at(keys::optimizer_states).toListRef();
   const std::size_t n = fit.has_scheduler.size();
   if (optimizers.size() != n) {
-    throw CheckpointError("volt: " + path + " holds " + std::to_string(optimizers.size()) + " optimizer states; this "
-                          "fit has " + std::to_string(n) + " optimizer" + (n == 1 ? "" : "s") + ". Resume with the "
-                          "configure_optimizers that wrote it.");
+    d.fail(" holds " + std::to_string(optimizers.size()) + " optimizer states; this fit has " + std::to_string(n) +
+           " optimizer" + (n == 1 ? "" : "s") + ". Resume with the configure_optimizers that wrote it.");
   }
   for (const auto& o : optimizers) r.optimizers.push_back(o.toTensor());
-  const auto schedulers = entry(d, keys::lr_schedulers, path).toListRef();
+  const auto schedulers = d.at(keys::lr_schedulers).toListRef();
   const auto wanted = static_cast<std::size_t>(std::count(fit.has_scheduler.begin(), fit.has_scheduler.end(), true));
   if (schedulers.size() != wanted) {
-    throw CheckpointError("volt: " + path + " holds " + std::to_string(schedulers.size()) +
-                          " learning-rate scheduler states; this fit has " +
-                          (wanted == 0 ? std::string("none") : std::to_string(wanted)) +
-                          ". Resume with the configure_optimizers that wrote it.");
+    d.fail(" holds " + std::to_string(schedulers.size()) + " learning-rate scheduler states; this fit has " +
+           (wanted == 0 ? std::string("none") : std::to_string(wanted)) +
+           ". Resume with the configure_optimizers that wrote it.");
   }
   std::vector<int64_t> owners;  // the optimizers that have a scheduler, in order
   for (std::size_t i = 0; i < n; ++i) {
     if (fit.has_scheduler[i]) owners.push_back(static_cast<int64_t>(i));
   }
   for (std::size_t k = 0; k < schedulers.size(); ++k) {
-    const Dict sch = schedulers[k].toGenericDict();
-    const int64_t owner = sch.contains(kSchedulerOptimizer) ? sch.at(kSchedulerOptimizer).toInt() : owners[k];
+    const View sch = d.of(schedulers[k]);
+    const int64_t owner = sch.has(kSchedulerOptimizer) ? sch.integer(kSchedulerOptimizer) : owners[k];
     if (owner != owners[k]) {
-      throw CheckpointError("volt: " + path + " holds a learning-rate scheduler of optimizer " + std::to_string(owner) +
-                            " where this fit's scheduler belongs to optimizer " + std::to_string(owners[k]) +
-                            ". Resume with the configure_optimizers that wrote it.");
+      d.fail(" holds a learning-rate scheduler of optimizer " + std::to_string(owner) + " where this fit's scheduler "
+             "belongs to optimizer " + std::to_string(owners[k]) + ". Resume with the configure_optimizers that wrote "
+             "it.");
     }
-    r.scheduler_step_counts.push_back(entry(sch, kSchedulerStepCount, path).toInt());
+    r.scheduler_step_counts.push_back(sch.integer(kSchedulerStepCount));
   }
 }
 
-/// The checks of `read_for_resume` on a checkpoint already read and checked as a file (`read`, `decode`).
+/// The checks of `read_for_resume` on a checkpoint already read and checked as a file (`View::read`, `decode`).
 template <class TrainLoader>
-ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn::Module& module,
-                            const TrainLoader& train_loader, const FitShape& fit, int rank) {
-  ResumeState r;
-  r.path = path;
-  r.file = std::move(file);
-  const Dict& d = r.file;
+ResumeState resume_state_of(const View& d, const torch::nn::Module& module, const TrainLoader& train_loader,
+                            const FitShape& fit, int rank) {
+  ResumeState r{d, make_dict(), {}, {}, {}, {}, {}, {}, d};
   try {
-    r.weights = entry(d, keys::state_dict, path).toGenericDict();
-    check_module_state(module, r.weights, path);
-    if (!d.contains(keys::loops)) {
-      throw CheckpointError("volt: " + path + " holds weights only (saved with weights_only), which cannot resume a "
-                            "fit. Load them with volt::load_weights(module, path), or resume from a full checkpoint.");
+    const View weights = d.sub(keys::state_dict);
+    check_module_state(module, weights);
+    r.weights = weights.dict();
+    if (!d.has(keys::loops)) {
+      d.fail(" holds weights only (saved with weights_only), which cannot resume a fit. Load them with "
+             "volt::load_weights(module, path), or resume from a full checkpoint.");
     }
-    r.point = volt::detail::ResumePoint::from_state_dict(d.at(keys::loops).toGenericDict(), path);
+    r.point = volt::detail::ResumePoint::from_state_dict(d.sub(keys::loops));
     if constexpr (data::PositionedLoader<TrainLoader>) {
-      if (d.contains(keys::loaders) && d.at(keys::loaders).toGenericDict().contains(loader_keys::train)) {
-        const Dict saved = d.at(keys::loaders).toGenericDict().at(loader_keys::train).toGenericDict();
-        r.train_loader = loader_state_from_dict(saved, path);
+      if (d.has(keys::loaders) && d.sub(keys::loaders).has(loader_keys::train)) {
+        r.train_loader = loader_state_from_dict(d.sub(keys::loaders).sub(loader_keys::train));
         try {
           train_loader.check_state(*r.train_loader);
         } catch (const std::invalid_argument& e) {
-          throw CheckpointError("volt: the training loader cannot resume from " + path + ": " +
+          throw CheckpointError("volt: the training loader cannot resume from " + d.path() + ": " +
                                 std::string(e.what()).substr(6));
         }
       }
     }
-    read_optimizers(d, path, fit, r);
+    read_optimizers(d, fit, r);
     if (!r.point.optimizer_steps.empty() && r.point.optimizer_steps.size() != fit.has_scheduler.size()) {
-      throw CheckpointError("volt: " + path + " counts the steps of " + std::to_string(r.point.optimizer_steps.size()) +
-                            " optimizers but holds " + std::to_string(r.optimizers.size()) + " optimizer states.");
+      d.fail(" counts the steps of " + std::to_string(r.point.optimizer_steps.size()) + " optimizers but holds " +
+             std::to_string(r.optimizers.size()) + " optimizer states.");
     }
-    r.metrics = metrics_from_state(entry(d, keys::metrics, path), path);
-    r.point.rng = rng_from_state(entry(d, keys::rng, path).toGenericDict(), path, rank);
+    r.metrics = metrics_from_state(d);
+    r.point.rng = rng_from_state(d.sub(keys::rng), rank);
     r.point.loader_positioned = r.train_loader.has_value();
-    r.precision = to_map(entry(d, keys::precision, path).toGenericDict(), path);
-    r.callbacks = entry(d, keys::callbacks, path).toGenericDict();
-    const auto grads = entry(d, keys::accumulated_grads, path).toListRef();
+    r.precision = d.sub(keys::precision).numbers();
+    r.callbacks = d.sub(keys::callbacks);
+    const auto grads = d.at(keys::accumulated_grads).toListRef();
     if (!grads.empty() && grads.size() != fit.num_params) {
-      throw CheckpointError("volt: " + path + " holds accumulated gradients of " + std::to_string(grads.size()) +
-                            " parameters; the module has " + std::to_string(fit.num_params) + ".");
+      d.fail(" holds accumulated gradients of " + std::to_string(grads.size()) + " parameters; the module has " +
+             std::to_string(fit.num_params) + ".");
     }
     for (const auto& g : grads) r.grads.push_back(grad_from_state(g, rank));
   } catch (const CheckpointError&) {
@@ -439,8 +434,8 @@ ResumeState resume_state_of(Dict file, const std::string& path, const torch::nn:
     const std::size_t at = what.find("xpected ");
     const std::string fault = at != std::string::npos ? "e" + what.substr(at, what.find('\n', at) - at)
                                                        : volt::checkpoint::detail::first_line(what);
-    throw CheckpointError("volt: " + path + " has an entry of another kind than volt writes (" + fault +
-                          "): the file was damaged or edited after it was written; nothing was loaded.");
+    d.fail(" has an entry of another kind than volt writes (" + fault + "): the file was damaged or edited after it "
+           "was written; nothing was loaded.");
   }
   return r;
 }

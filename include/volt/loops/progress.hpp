@@ -58,9 +58,9 @@ struct ResumePoint {
   std::vector<at::Tensor> rng;
   bool loader_positioned = false;
 
-  static ResumePoint from_state_dict(const checkpoint::Dict& loops, const std::string& path) {
-    auto i = [&](const char* k) { return checkpoint::entry(loops, k, path).toInt(); };
-    auto b = [&](const char* k) { return checkpoint::entry(loops, k, path).toBool(); };
+  static ResumePoint from_state_dict(const checkpoint::View& loops) {
+    auto i = [&](const char* k) { return loops.integer(k); };
+    auto b = [&](const char* k) { return loops.flag(k); };
     ResumePoint r;
     r.epoch = i(loop_keys::epoch);
     r.global_step = i(loop_keys::global_step);
@@ -70,12 +70,11 @@ struct ResumePoint {
     r.val_pending = b(loop_keys::val_pending);
     r.should_stop = b(loop_keys::should_stop);
     r.world_size = static_cast<int>(i(loop_keys::world_size));
-    r.batches_that_stepped = loops.contains(loop_keys::batches_that_stepped)
-                                 ? checkpoint::entry(loops, loop_keys::batches_that_stepped, path).toInt()
-                                 : r.global_step;
-    if (loops.contains(loop_keys::time_elapsed)) r.time_elapsed = checkpoint::entry(loops, loop_keys::time_elapsed, path).toDouble();
-    if (loops.contains(loop_keys::optimizer_steps)) {
-      for (const auto& n : checkpoint::entry(loops, loop_keys::optimizer_steps, path).toListRef()) {
+    r.batches_that_stepped =
+        loops.has(loop_keys::batches_that_stepped) ? i(loop_keys::batches_that_stepped) : r.global_step;
+    if (loops.has(loop_keys::time_elapsed)) r.time_elapsed = loops.at(loop_keys::time_elapsed).toDouble();
+    if (loops.has(loop_keys::optimizer_steps)) {
+      for (const auto& n : loops.at(loop_keys::optimizer_steps).toListRef()) {
         r.optimizer_steps.push_back(n.toInt());
       }
     }

@@ -136,8 +136,8 @@ detail::ResumePoint Trainer<S, P, A, Cs...>::restore(Impl& module, TL& train_loa
       undo.push_back([&o, backup, path] { checkpoint::load_optimizer_state(o, backup, path); });
     }
     if (!r.precision.empty()) precision_.load_state_dict(r.precision);
-    checkpoint::load_callbacks_state(callbacks_, r.callbacks, path, undo);
-    if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) module.on_load_checkpoint(r.file);
+    checkpoint::load_callbacks_state(callbacks_, r.callbacks, undo);
+    if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) module.on_load_checkpoint(r.file.dict());
   } catch (const std::exception& e) {
     for (auto& u : undo) u();
     precision_.load_state_dict(precision_backup);

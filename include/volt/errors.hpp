@@ -1,8 +1,15 @@
 #pragma once
 /// \file
-/// Every exception type volt throws of its own, in one place. Each message starts with `volt:` and says what was
-/// given, what is allowed and what to do (STYLE.md); LibTorch's and the standard library's exceptions that volt
-/// passes on keep their types (a module's step wraps them in a `StepError`, nested).
+/// Every exception type volt defines for its users to catch, in one place. Each message starts with `volt:` and says
+/// what was given, what is allowed and what to do (STYLE.md); LibTorch's and the standard library's exceptions that
+/// volt passes on keep their types (a module's step wraps them in a `StepError`, nested).
+///
+/// Besides these, volt throws the standard types where they say all there is to say, each with a `volt:` message:
+/// `std::invalid_argument` for an argument a function refuses (a tensor of the wrong shape for a collective, a
+/// callback's setting), `std::logic_error` for a call out of order (a manual optimizer stepped twice, a hook used
+/// outside a fit), `std::runtime_error` for what the system refused (a file, a process, MPI) and `std::out_of_range`
+/// for an index past the end. One more type is not an error and never leaves volt: `data::FetchStopped`
+/// (data/fetch.hpp), which a loader's fetch throws to its own worker when the loader is shutting down.
 ///
 /// | type | base | when |
 /// |---|---|---|
@@ -11,6 +18,7 @@
 /// | `StepError` | `std::runtime_error` | a module's step failed; says the step, stage, epoch, batch and rank, with the original nested |
 /// | `LoaderError` | `std::runtime_error` | reading a batch failed (on the training thread or a loader's worker); says the batch, the epoch and the sample indices, with the original nested |
 /// | `Interrupted` | `std::runtime_error` | a stop signal ended a fit after its checkpoint was written (cluster/signals.hpp) |
+/// | `RankFailure` | `std::runtime_error` | another rank failed or fell silent, or a collective outlived the `timeout`; carries the failing rank's message and rank (comm/runtime.hpp) |
 
 #include <stdexcept>
 #include <string>
@@ -61,6 +69,19 @@ class Interrupted : public std::runtime_error {
  private:
   int signal_;
   std::string checkpoint_;
+};
+
+/// Thrown in every rank that was waiting on a rank that failed (and, under Spawn, in the main process); also when a
+/// collective waited past the Trainer's `timeout` or a peer fell silent (comm/runtime.hpp). `what()` carries the
+/// failing rank's own message.
+class RankFailure : public std::runtime_error {
+ public:
+  RankFailure(int rank, const std::string& message) : std::runtime_error(message), rank_(rank) {}
+  /// The rank that failed first (-1 when unknown).
+  int failed_rank() const { return rank_; }
+
+ private:
+  int rank_;
 };
 
 }  // namespace volt

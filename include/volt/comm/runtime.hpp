@@ -18,6 +18,7 @@
 
 #include "volt/comm/hosts.hpp"
 #include "volt/comm/watchdog.hpp"
+#include "volt/errors.hpp"
 
 #include <boost/mpi/communicator.hpp>
 #include <boost/mpi/collectives/all_gather.hpp>
@@ -47,18 +48,6 @@
 #include <vector>
 
 namespace volt {
-
-/// Thrown in every rank that was waiting on a rank that failed (and, under Spawn, in the main process).
-/// `what()` carries the failing rank's own message.
-class RankFailure : public std::runtime_error {
- public:
-  RankFailure(int rank, const std::string& message) : std::runtime_error(message), rank_(rank) {}
-  /// The rank that failed first (-1 when unknown).
-  int failed_rank() const { return rank_; }
-
- private:
-  int rank_;
-};
 
 namespace detail {
 

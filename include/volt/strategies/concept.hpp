@@ -28,13 +28,13 @@
 /// | `host_max(int) -> int` | the largest value over the ranks, reduced on the host (no device synchronisation): the stop-signal agreement at each training batch |
 /// | `host_all_gather(const std::string&) -> std::vector<std::string>` | every rank's bytes, in rank order, on every rank (predict's gathered results) |
 /// | `pre_backward(bool sync)`, `post_backward()` | around each backward; `sync` is true on the micro-batch that steps |
-/// | `setup_optimizer(torch::optim::Optimizer&)` | once per fit, after `configure_optimizers` (ZeRO gives it this rank's pieces) |
+/// | `setup_optimizer(torch::optim::Optimizer&)` | at each fit's start, once per optimizer `configure_optimizers` returned (ZeRO gives it this rank's pieces) |
 /// | `zero_grad(torch::optim::Optimizer&)` | the gradients an optimizer steps, cleared (automatic optimization; a manual step's `opt.zero_grad()`) |
 /// | `clip_gradients(params, value, ClipAlgorithm)` | the gradients of `params` clipped: `gradient_clip_val`, a manual step's `ctx.clip_gradients` (ZeRO: its pieces, the norm over every rank's) |
 /// | `optimizer_step(Precision&, torch::optim::Optimizer&) -> bool` | the precision's step, and what follows it (ZeRO: the all-gather) |
 /// | `optimizer_state(torch::optim::Optimizer&) -> at::Tensor` | collective: the optimizer's archive for rank zero's checkpoint (empty elsewhere) |
 /// | `load_optimizer_state(torch::optim::Optimizer&, const at::Tensor&, path)` | loads such an archive (refused, unchanged, when it does not fit) |
-/// | `teardown()` | after a run, also one that failed |
+/// | `teardown()` | after a fit, also one that failed (validate, test and predict have none: they change nothing a fit set up) |
 ///
 /// Writing your own: derive from `StrategyDefaults` (a world of one with no gradient work: its collectives
 /// are identities, the backward hooks and teardown no-ops, no backend) and write the rest; copy `SingleDevice`

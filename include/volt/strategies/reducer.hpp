@@ -52,7 +52,8 @@ namespace volt::detail {
 
 inline constexpr std::size_t kFirstBucketBytes = std::size_t{1} << 20;
 inline constexpr std::size_t kBucketBytes = std::size_t{25} << 20;
-/// ZeRO: buckets whose reduce-scatter may run at once during backward (stage 2's buffers exist until then).
+/// ZeRO: buckets whose collective may run at once: the reduce-scatters during backward (stage 2's buffers exist until
+/// then), and the parameters' all-gathers after the step (strategies/zero.hpp's `gather_parameters`).
 inline constexpr std::size_t kBucketsInFlight = 2;
 
 /// The bytes `t` holds (none when undefined).

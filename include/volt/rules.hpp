@@ -13,6 +13,7 @@
 /// | a graphed accelerator can capture | `A::captures_step`, `A::graph_type` | `Trainer<SingleDevice, Fp32, Graphed<CPU>>` |
 /// | its graph type was compiled in | `A::graph_type::available` (the GPU's: VOLT_WITH_CUDA) | `Graphed<GPU>` against a LibTorch without CUDA |
 /// | graph mode runs in one process | `S::is_distributed`, `A::captures_step` | `Trainer<DDP<Script>, Bf16, Graphed<GPU>>` |
+/// | a loss-scaling precision agrees on skipped steps where the gradients are sharded | `S::shards_optimizer_state`, `P::scales_loss`, `P::agree_found_inf` | `Trainer<ZeRO<2>, MyScaledPrecision, GPU>` whose precision keeps `PrecisionDefaults::agree_found_inf` |
 ///
 /// What `fit` is given is checked when `fit` is instantiated (`detail::CheckedFit`): a module, its training_step for the
 /// loader's batches, one optimizer unless it declares manual optimization, a validation_step when there is a
@@ -107,7 +108,7 @@ inline constexpr bool slots_permuted = !slots_ok<S, P, A> && (slots_ok<S, A, P> 
 
 /// The rules between the slots, in the order they are said.
 enum class Rule { none, graph_device, graph_compiled, fp16_autocast, backend_device, backend_compiled, bf16_autocast,
-                  graph_distributed };
+                  graph_distributed, sharded_inf_unagreed };
 
 /// The first rule between the slots that is broken (`none` also when a slot does not hold its kind: that is said
 /// first, and alone).
@@ -124,6 +125,7 @@ constexpr Rule first_broken_rule() {
     if (!BackendCompiledIn<B>) return Rule::backend_compiled;
     if (!Bf16AutocastAvailable<P, A>) return Rule::bf16_autocast;
     if (captures_step<A> && S::is_distributed) return Rule::graph_distributed;
+    if (shards_optimizer_state<S> && P::scales_loss && default_inf_agreement<P>) return Rule::sharded_inf_unagreed;
     return Rule::none;
   }
 }
@@ -185,6 +187,10 @@ struct CheckedSlots {
                 "volt: use SingleDevice with Graphed<GPU>, or DDP or ZeRO with the GPU without Graphed (they keep "
                 "the fused optimizers): graph mode runs in one process, since DDP and ZeRO reduce gradients from "
                 "host hooks during backward, which a captured step would run only once.");
+  static_assert(first_broken_rule<S, P, A>() != Rule::sharded_inf_unagreed,
+                "volt: give the precision an agree_found_inf(optimizer, max_over_ranks) that passes its inf/NaN flag to "
+                "max_over_ranks (as Fp16Mixed's does), or train under DDP: it scales the loss, and under ZeRO each rank "
+                "checks only its shard of the gradients, so ranks that did not agree would skip different steps.");
 
   static constexpr bool ok = rules_ok<S, P, A>;
   using strategy = typename bound_strategy_if<ok, S, A>::type;

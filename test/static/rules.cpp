@@ -64,6 +64,17 @@ struct WithInfAgreement : NoInfAgreement {
   void agree_found_inf(torch::optim::Optimizer&, const std::function<void(torch::Tensor&)>&) {}
 };
 static_assert(volt::Precision<WithInfAgreement>);
+// a precision that scales the loss must agree on its inf check under ZeRO (rules.hpp); one that does not scale may
+// keep the default
+struct ScaledDefaults : volt::PrecisionDefaults {
+  static constexpr const char* name = "ScaledDefaults";
+  static constexpr bool scales_loss = true;
+};
+struct ScaledAgreeing : ScaledDefaults {
+  void agree_found_inf(torch::optim::Optimizer&, const std::function<void(torch::Tensor&)>&) {}
+};
+static_assert(volt::detail::default_inf_agreement<ScaledDefaults> && !volt::detail::default_inf_agreement<ScaledAgreeing>);
+static_assert(!volt::detail::default_inf_agreement<volt::Fp16Mixed> && volt::detail::default_inf_agreement<volt::Fp32>);
 
 static_assert(volt::Accelerator<CPU>);
 static_assert(volt::Accelerator<GPU>);
@@ -128,6 +139,10 @@ static_assert(first_broken_rule<volt::DDP<volt::Script>, volt::Fp32, volt::Graph
 static_assert(first_broken_rule<volt::DDP<volt::Script>, volt::Fp32, GraphCPU>() == Rule::none);  // not graphed
 static_assert(first_broken_rule<volt::ZeRO<2>, volt::Fp32, volt::Graphed<GraphCPU>>() == Rule::graph_distributed);
 static_assert(!volt::BackendRunsOn<volt::ZeRO<1, volt::Script, volt::Nccl>, CPU>);
+static_assert(first_broken_rule<volt::ZeRO<2>, ScaledDefaults, CPU>() == Rule::sharded_inf_unagreed);
+static_assert(first_broken_rule<volt::ZeRO<2>, ScaledAgreeing, CPU>() == Rule::none);
+static_assert(first_broken_rule<volt::DDP<volt::Script>, ScaledDefaults, CPU>() == Rule::none);  // whole gradients
+static_assert(first_broken_rule<volt::ZeRO<1>, volt::Fp32, CPU>() == Rule::none);  // nothing to agree on
 // ZeRO steps the optimizer itself: it shards its state, and refuses manual optimization (rules.hpp's CheckedFit)
 struct ManualFlag {
   static constexpr bool automatic_optimization = false;

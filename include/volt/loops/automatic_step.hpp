@@ -43,7 +43,8 @@ class AutomaticStep {
     // and fault it in again at every step (5% of a small MLP's step on the CPU; bench/trainer_vs_raw).
     constexpr bool zero_seen = zero_grad_observed<T, Impl>(static_cast<typename T::callback_tuple*>(nullptr));
     if (!zero_seen && w.starts) p_.strategy.zero_grad(optimizer);
-    torch::Tensor loss = p_.with_device_batch(batch, [&](auto& b) { return p_.training_step(module, ctx, b); });
+    torch::Tensor loss =
+        p_.with_device_batch(batch, [&](auto& b) -> torch::Tensor { return p_.training_step(module, ctx, b); });
     if (zero_seen && w.starts) {  // also when the step returned no loss, as Lightning zeroes them
       p_.template hook<hooks::on_before_zero_grad>(module, ctx, optimizer);
       p_.strategy.zero_grad(optimizer);

@@ -19,13 +19,15 @@
 #include <torch/optim/optimizer.h>
 #include <torch/version.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace volt::detail {
 
 /// The total norm of gradients that are all here: LibTorch's (one tensor's norm, or the norm of the norms' stack);
-/// undefined when there are none (nothing to clip).
+/// undefined when there are none (nothing to clip). The coefficient multiplies each gradient as it is (LibTorch's).
 struct LocalTotalNorm {
+  static constexpr bool coefficient_in_grad_dtype = false;
   at::Tensor operator()(const std::vector<at::Tensor>& norms) const {
     if (norms.empty()) return {};
     return norms.size() == 1 ? norms[0] : at::stack(norms).norm(2.0);
@@ -34,7 +36,9 @@ struct LocalTotalNorm {
 
 /// Clips the gradients of `params` (those that have one) by value or by their total norm (see the file comment).
 /// `total` makes the total norm from the per-tensor 2-norms (undefined: nothing to clip); it is called on every rank,
-/// also one without gradients, so that it may be a collective.
+/// also one without gradients, so that it may be a collective. Its `coefficient_in_grad_dtype` says whether the
+/// coefficient is cast to each gradient's dtype before multiplying (ZeRO's, whose norm is float32 whatever the
+/// gradients are) or multiplies as it is (LibTorch's).
 template <class Total = LocalTotalNorm>
 void clip_gradients(const std::vector<at::Tensor>& params, double value, ClipAlgorithm algorithm, Total&& total = {}) {
   std::vector<at::Tensor> grads;
@@ -51,7 +55,13 @@ void clip_gradients(const std::vector<at::Tensor>& params, double value, ClipAlg
   const at::Tensor norm = total(norms);
   if (!norm.defined()) return;
   const at::Tensor coef = at::clamp(value / (norm + 1e-6), c10::nullopt, 1.0);
-  for (auto& g : grads) g.mul_(coef.to(g.device(), g.scalar_type()));
+  for (auto& g : grads) {
+    if constexpr (std::remove_cvref_t<Total>::coefficient_in_grad_dtype) {
+      g.mul_(coef.to(g.device(), g.scalar_type()));
+    } else {
+      g.mul_(coef);
+    }
+  }
 }
 
 /// The parameters an optimizer steps, in its groups' order.

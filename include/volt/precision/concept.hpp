@@ -33,6 +33,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <type_traits>
 
 namespace volt {
 
@@ -87,6 +88,19 @@ struct PrecisionDefaults {
 };
 
 namespace detail {
+
+/// Whether precision `P` keeps PrecisionDefaults' agree_found_inf, which agrees on nothing (rules.hpp refuses that for
+/// a precision that scales the loss under a strategy that shards the gradients).
+template <class P>
+inline constexpr bool default_inf_agreement = [] {
+  if constexpr (requires { &P::agree_found_inf; }) {
+    return std::is_same_v<decltype(&P::agree_found_inf),
+                          void (PrecisionDefaults::*)(torch::optim::Optimizer&,
+                                                      const std::function<void(torch::Tensor&)>&)>;
+  } else {
+    return false;
+  }
+}();
 
 /// Sets torch's default floating dtype for a scope (Lightning's `_DtypeContextManager`), so tensors a module
 /// creates in forward match its "true" precision.

@@ -47,9 +47,9 @@ class DDP : public detail::ProcessGroupStrategy<L, B> {
 
   DDP() { this->spec_.strategy = "DDP"; }
 
-  /// Moves the module and makes every rank start from rank 0's parameters and buffers.
+  /// Moves the module and makes every rank start from rank 0's parameters and buffers. The reducer is not touched:
+  /// DDP's ended with the last fit (teardown), and ZeRO's stays with its layout until its next fit.
   void setup_module(torch::nn::Module& module) {
-    reducer_.reset();
     module.to(this->device_);
     torch::NoGradGuard no_grad;
     for (auto& p : module.parameters()) this->backend().broadcast_(p, 0);

@@ -132,12 +132,7 @@ class ZeRO : public DDP<L, B> {
   void clip_gradients(const std::vector<at::Tensor>& /*module_params*/, double value, ClipAlgorithm algorithm) {
     std::vector<at::Tensor> pieces;
     for (const detail::ShardPiece& piece : shards_->pieces()) pieces.push_back(piece.tensor);
-    detail::clip_gradients(pieces, value, algorithm, [&](const std::vector<at::Tensor>& norms) {
-      at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(this->device_));
-      for (const auto& n : norms) squares += n.to(torch::kFloat32).square().to(squares.device());
-      this->backend().all_reduce_(squares, Reduce::sum);
-      return squares.sqrt();
-    });
+    detail::clip_gradients(pieces, value, algorithm, NormOverRanks{this});
   }
 
   /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.
@@ -242,6 +237,18 @@ class ZeRO : public DDP<L, B> {
   template <class Codec>
   std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> cut_states(torch::optim::Optimizer& optimizer,
                                                                              const std::string& path);
+
+  /// The total norm of every rank's pieces: each rank's squares summed in float32 across ranks (clip_gradients).
+  struct NormOverRanks {
+    static constexpr bool coefficient_in_grad_dtype = true;
+    ZeRO* z;
+    at::Tensor operator()(const std::vector<at::Tensor>& norms) const {
+      at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(z->device_));
+      for (const auto& n : norms) squares += n.to(torch::kFloat32).square().to(squares.device());
+      z->backend().all_reduce_(squares, Reduce::sum);
+      return squares.sqrt();
+    }
+  };
 
   std::unique_ptr<detail::ShardLayout> shards_;
   std::unordered_map<const torch::optim::Optimizer*, std::vector<std::vector<at::Tensor>>> full_params_;

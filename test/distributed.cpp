@@ -756,6 +756,14 @@ struct MetricNetImpl : torch::nn::Module {
     ctx.log("rank_local", r, {.on_step = false, .on_epoch = true});
     return lin(batch.data).sum() * 0;
   }
+  /// Logged by the ranks that get a validation batch (one batch of 3 samples on 2 ranks: rank 0 alone).
+  void validation_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    const volt::LogOptions sum{.reduce = volt::Reduce::sum, .sync_dist = true};
+    ctx.log("val_sum", batch.data.sum().to(torch::kFloat64), sum);
+    ctx.log("val_count", static_cast<double>(batch.data.size(0)), sum);
+    ctx.log("val_mean", batch.data.mean(), {.sync_dist = true});
+    ctx.log("val_max", batch.data.max(), {.reduce = volt::Reduce::max, .sync_dist = true});
+  }
   void on_train_epoch_end(volt::Context& ctx) {
     auto t = torch::full({2}, static_cast<double>(ctx.global_rank() + 1));
     ctx.broadcast_(t, 1);
@@ -776,9 +784,19 @@ int metrics_scenario() {
   // never; the decision is reduced, so both stop after epoch 0 together instead of deadlocking.
   auto trainer = volt::make_trainer<volt::DDP<volt::Script>>(
       {.devices = g_world, .max_epochs = 5},
-      volt::EarlyStopping({.monitor = "stop_signal", .mode = volt::EarlyStopping::Mode::max, .stopping_threshold = 0.5}));
+      volt::EarlyStopping({.monitor = "stop_signal", .mode = volt::Mode::max, .stopping_threshold = 0.5,
+                           .check_on_train_epoch_end = true}));
   volt::data::TensorLoader loader(x, y, {.batch_size = 2});
-  auto result = trainer.fit(net, loader);
+  // One validation batch of 3 samples (1, 2, 3) for 2 ranks: rank 1 gets none, and takes part with empty sums, as
+  // Lightning runs such a loader; the values are the one batch's: sum 6, count 3, mean 2, max 3.
+  volt::data::TensorLoader small(torch::tensor({1.0f, 2.0f, 3.0f}).unsqueeze(1), torch::zeros({3, 1}), {.batch_size = 4});
+  auto result = trainer.fit(net, loader, small);
+  for (const auto& m : {result.metrics, trainer.validate(net, small)}) {
+    check(m.at("val_sum") == 6.0 && m.at("val_count") == 3.0 && m.at("val_mean") == 2.0 && m.at("val_max") == 3.0,
+          "a validation loader with fewer batches than ranks: sync_dist values of its one batch (sum " +
+              std::to_string(m.at("val_sum")) + ", count " + std::to_string(m.at("val_count")) + ", mean " +
+              std::to_string(m.at("val_mean")) + ", max " + std::to_string(m.at("val_max")) + ")");
+  }
   check(trainer.current_epoch() == 1, "every rank stops after epoch 0 (current_epoch " + std::to_string(trainer.current_epoch()) + ")");
   check(result.metrics.at("rank_mean") == 0.5, "sync_dist mean of ranks 0 and 1 is 0.5");
   check(result.metrics.at("rank_sum") == 4.0, "sync_dist sum: rank 1 logs 1 in each of its 4 batches, rank 0 logs 0");

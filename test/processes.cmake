@@ -109,6 +109,7 @@ volt_resume_test(resume.ddp_exact CORES ${resume_exe} ddp-exact ${resume_dir}/dd
 volt_resume_test(resume.spawn_exact CORES ${resume_exe} spawn-exact ${resume_dir}/spawn_exact)
 volt_resume_test(resume.two_to_one CORES ${resume_exe} n-to-m 2 1 ${resume_dir}/two_to_one -- ${volt_mpirun})
 volt_resume_test(resume.one_to_two CORES ${resume_exe} n-to-m 1 2 ${resume_dir}/one_to_two -- ${volt_mpirun})
+volt_resume_test(resume.two_to_two CORES ${resume_exe} n-to-m 2 2 ${resume_dir}/two_to_two -- ${volt_mpirun})
 volt_resume_test(resume.zero CORES ${resume_exe} zero-resume ${resume_dir}/zero -- ${volt_mpirun})
 # Stop signals: SIGTERM to one process, to mpirun and to a Spawn main process; SIGUSR1 to one of 2 ranks.
 volt_resume_test(resume.signal_single ${resume_exe} signal single ${resume_dir}/signal_single)

@@ -10,10 +10,11 @@
 //   resume ddp-exact <dir> -- <mpirun...>     2 DDP ranks saved mid-epoch and resumed on 2: bit-identical
 //   resume spawn-exact <dir>                  the same with DDP<Spawn> workers
 //   resume n-to-m <from> <to> <dir> -- <mpirun...>
-//                                             saved on `from` ranks, resumed on `to`: every sample once
+//                                             saved on `from` ranks, resumed on `to`: every sample once, and
+//                                             the epoch values logged with sync_dist those of every sample once
 //   resume zero-resume <dir> -- <mpirun...>   a ZeRO checkpoint holds DDP's state at the same step; saved on 2
-//                                             ranks it resumes on 1 and on 4, and a DDP one on 2 ZeRO ranks: every
-//                                             sample once, the file's optimizer state
+//                                             ranks it resumes on 1, on 4 and on 2, and a DDP one on 2 ZeRO ranks:
+//                                             every sample once, the file's optimizer state, whole sync_dist values
 //   resume signal <case> <dir> [-- <mpirun...>]
 //                                             a run stopped by SIGTERM/SIGUSR1 (to the process, mpirun, one rank,
 //                                             a Spawn main process) checkpoints, exits, and resumes bit-identical
@@ -343,6 +344,14 @@ struct IndexModelImpl : torch::nn::Module {
       if (out.is_open()) out << ctx.current_epoch() << " " << b.target[i].item<int64_t>() << " " << ctx.global_step() << "\n";
     }
     out.flush();
+    // Epoch values across ranks: every sample once an epoch gives 48 samples, indices summing to 1128, at most 47, a
+    // mean of 23.5 (weighted by batch size); a resume must not lose the sums other ranks held.
+    const torch::Tensor idx = b.target.to(torch::kFloat64);
+    const volt::LogOptions epoch{.on_step = false, .on_epoch = true, .reduce = volt::Reduce::sum, .sync_dist = true};
+    ctx.log("seen", static_cast<double>(b.target.size(0)), epoch);
+    ctx.log("index_sum", idx.sum(), epoch);
+    ctx.log("index_max", idx.max(), {.on_step = false, .on_epoch = true, .reduce = volt::Reduce::max, .sync_dist = true});
+    ctx.log("index_mean", idx.mean(), {.on_step = false, .on_epoch = true, .sync_dist = true});
     if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     return lin(b.data * torch::tensor({1.0f, -0.5f}) / 48.0).pow(2).mean();  // the two weights' gradients differ
   }
@@ -359,6 +368,36 @@ struct SaveAtStart {
   }
 };
 
+/// Rank zero appends each training epoch's values to `path`: "epoch seen index_sum index_max index_mean".
+struct EpochValues {
+  std::string path;
+  template <class T, class M>
+  void on_train_epoch_end(T& trainer, M&) {
+    if (!trainer.is_global_zero()) return;
+    const auto v = trainer.callback_metric_values();
+    std::ofstream(path, std::ios::app) << trainer.current_epoch() << " " << v.at("seen") << " " << v.at("index_sum")
+                                       << " " << v.at("index_max") << " " << v.at("index_mean") << "\n";
+  }
+};
+
+/// Fails unless the epoch values `record` (EpochValues) holds for `epoch` are those of every sample seen once.
+void check_epoch_values(const std::string& record, int64_t epoch, const std::string& what) {
+  std::ifstream in(record);
+  int64_t e = 0;
+  double seen = 0, sum = 0, max = 0, mean = 0;
+  while (in >> e >> seen >> sum >> max >> mean) {
+    if (e != epoch) continue;
+    if (seen != 48 || sum != 1128 || max != 47 || mean != 23.5) {
+      std::ostringstream d;
+      d << what << ": epoch " << epoch << " logged seen " << seen << ", index_sum " << sum
+        << ", index_max " << max << ", index_mean " << mean << " (sync_dist; every sample once: 48, 1128, 47, 23.5)";
+      fail(d.str());
+    }
+    std::cout << what << ": epoch " << epoch << "'s sync_dist values are every sample's once  match" << std::endl;
+    return;
+  }
+  fail(what + ": " + record + " has no values of epoch " + std::to_string(epoch));
+}
 
 template <class Trainer>
 int index_fit_with(Trainer& trainer, const std::string& record, const std::string& ckpt) {
@@ -381,7 +420,7 @@ int index_fit(const std::string& strategy, int ranks, const std::string& dir, co
   volt::ModelCheckpoint every_step({.dirpath = dir, .save_top_k = 0, .save_last = true, .every_n_train_steps = 1});
   const SaveAtStart start{ckpt.empty() ? std::string() : record + ".start.ckpt"};
   auto with = [&]<class S>(S*) {
-    auto t = volt::make_trainer<S, volt::Fp32, volt::CPU>(o, every_step, start);
+    auto t = volt::make_trainer<S, volt::Fp32, volt::CPU>(o, every_step, start, EpochValues{record + ".epochs"});
     if constexpr (requires { t.strategy().set_bucket_bytes(64, 64); }) t.strategy().set_bucket_bytes(8, 8);  // 2 buckets
     return index_fit_with(t, record, ckpt);
   };
@@ -434,6 +473,8 @@ int n_to_m(int from, int to, const std::string& dir, std::vector<std::string> mp
     }
   }
   if (count.size() != 96) fail("samples outside the data set were recorded");
+  check_epoch_values(dir + "/part1.epochs", 0, "the first part");
+  check_epoch_values(dir + "/part2.epochs", 1, "resumed on " + std::to_string(to));
   std::cout << "saved on " << from << " rank(s) in epoch 1, resumed on " << to
             << ": every sample of both epochs seen exactly once  match" << std::endl;
   return 0;
@@ -509,7 +550,7 @@ int zero_resume(const std::string& dir, std::vector<std::string> mpirun) {
     const char* from;
   };
   for (const Case& c : {Case{"zero2 on 2 -> 1 rank", "ddp", 1, "z"}, Case{"zero2 on 2 -> zero1 on 4", "zero1", 4, "z"},
-                        Case{"ddp on 2 -> zero2 on 2", "zero2", 2, "d"}}) {
+                        Case{"ddp on 2 -> zero2 on 2", "zero2", 2, "d"}, Case{"zero2 on 2 -> zero2 on 2", "zero2", 2, "z"}}) {
     const std::string part2 = dir + "/" + c.strategy + std::to_string(c.ranks) + "_from_" + c.from;
     job(c.ranks, {"index-fit", c.strategy, std::to_string(c.ranks), part2 + "_ckpt", part2, "-1",
                   dir + "/" + c.from + "/last.ckpt"});
@@ -520,6 +561,7 @@ int zero_resume(const std::string& dir, std::vector<std::string> mpirun) {
         if (count[{epoch, i}] != 1) fail(std::string(c.name) + ": epoch " + std::to_string(epoch) + " sample " + std::to_string(i) + " seen " + std::to_string(count[{epoch, i}]) + " times");
       }
     }
+    check_epoch_values(part2 + ".epochs", 1, c.name);
     const auto [from_steps, from_moments] = adam_state(dir + "/" + c.from + "/last.ckpt");
     const auto [got_steps, got_moments] = adam_state(part2 + ".start.ckpt");
     if (from_steps != got_steps || !torch::equal(from_moments, got_moments)) {

@@ -13,7 +13,7 @@
 /// | `precision` | the precision's state (Fp16Mixed: the loss scaler's `scale`, `_growth_tracker`, ...) |
 /// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size`, `optimizer_steps` (each optimizer's steps), `batches_that_stepped` |
 /// | `loaders` | `{"train": position}` (data/concept.hpp's LoaderState) when the training loader keeps one |
-/// | `metrics` | the training epoch's running metric sums, so epoch means stay whole across a resume |
+/// | `metrics` | every rank's running metric sums of the training epoch (a list per rank, in rank order), so epoch values stay whole across a resume on any number of ranks |
 /// | `rng` | `cpu` (and `cuda`): every rank's generator state, in rank order |
 /// | `callbacks` | each stateful callback's state, by its `state_key` |
 /// | `checksum` | CRC-32 (zlib) of everything above: a flipped byte is an error, not a silently wrong weight |

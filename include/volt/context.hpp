@@ -59,9 +59,12 @@ struct Collectives {
   virtual torch::Tensor all_gather(const torch::Tensor& t) = 0;
   virtual void broadcast_(const torch::Tensor& t, int root) = 0;
   virtual void barrier() = 0;
+  /// Every rank's bytes, in rank order, on every rank (which names each rank logged with sync_dist).
+  virtual std::vector<std::string> host_all_gather(const std::string& bytes) = 0;
+  virtual int world_size() const = 0;
 };
 
-/// Collectives of a strategy `S` (every strategy has the four: strategies/concept.hpp).
+/// Collectives of a strategy `S` (every strategy has them: strategies/concept.hpp).
 template <class S>
 class StrategyCollectives final : public Collectives {
  public:
@@ -70,6 +73,8 @@ class StrategyCollectives final : public Collectives {
   torch::Tensor all_gather(const torch::Tensor& t) override { return s_->all_gather(t); }
   void broadcast_(const torch::Tensor& t, int root) override { s_->broadcast_(t, root); }
   void barrier() override { s_->barrier(); }
+  std::vector<std::string> host_all_gather(const std::string& bytes) override { return s_->host_all_gather(bytes); }
+  int world_size() const override { return s_->world_size(); }
 
  private:
   S* s_;
@@ -326,6 +331,14 @@ class Context {
   }
   void log(std::string_view name, double value, const LogOptions& options = {}) {
     log(name, torch::scalar_tensor(value, torch::kFloat64), options);
+  }
+  /// Several values with the same options, as Lightning's `self.log_dict`: `ctx.log_dict({{"loss", loss}, {"acc",
+  /// acc}})`, in the map's (name) order.
+  void log_dict(const std::map<std::string, torch::Tensor>& values, const LogOptions& options = {}) {
+    for (const auto& [name, value] : values) log(name, value, options);
+  }
+  void log_dict(const std::map<std::string, double>& values, const LogOptions& options = {}) {
+    for (const auto& [name, value] : values) log(name, value, options);
   }
 
  private:

@@ -8,7 +8,9 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -102,6 +104,52 @@ class LogRecorder {
   std::size_t next_ = 0;
   bool closed_ = false;
 };
+
+/// The value an epoch reduction starts from: adding it (mean, sum), or taking the extreme with it (max, min),
+/// changes nothing; a rank that has nothing of a name takes part in the reduction across ranks with it.
+inline torch::Tensor reduction_identity(Reduce r, const torch::TensorOptions& options) {
+  const double inf = std::numeric_limits<double>::infinity();
+  return torch::scalar_tensor(r == Reduce::max ? -inf : r == Reduce::min ? inf : 0.0, options);
+}
+
+/// One rank's running epoch sums in a fit resumed on `world` ranks from the sums every rank of the saving run held
+/// (`saved[r]`: rank r's entries). On the same number of ranks each rank takes up its own. On another number, rank
+/// zero takes each name's reduction over the saved ranks (the sums and weights added, the extremes taken) and the
+/// others its identity, so that a reduction across ranks at the epoch's end (`sync_dist`) sees every value the saving
+/// run saw, once; a value logged without sync_dist, which each rank keeps for itself, then holds on rank zero what
+/// every saving rank had. Every rank has every name, in the order of first appearance.
+inline std::vector<MetricEntry> resumed_entries(const std::vector<std::vector<MetricEntry>>& saved, int rank,
+                                                int world) {
+  if (static_cast<int>(saved.size()) == world) return saved[static_cast<std::size_t>(rank)];
+  std::vector<MetricEntry> out;
+  for (const auto& entries : saved) {
+    for (const MetricEntry& e : entries) {
+      auto it = std::find_if(out.begin(), out.end(), [&](const MetricEntry& o) { return o.name == e.name; });
+      if (it == out.end()) {
+        out.push_back(e);
+        out.back().accumulated = torch::Tensor();
+        out.back().weight = 0.0;
+        it = out.end() - 1;
+      }
+      if (rank != 0 || !e.accumulated.defined()) continue;
+      const torch::Tensor& a = it->accumulated;
+      if (!a.defined()) {
+        it->accumulated = e.accumulated;
+      } else if (e.reduce == Reduce::max) {
+        it->accumulated = torch::maximum(a, e.accumulated);
+      } else if (e.reduce == Reduce::min) {
+        it->accumulated = torch::minimum(a, e.accumulated);
+      } else {
+        it->accumulated = a + e.accumulated;
+      }
+      it->weight += e.weight;
+    }
+  }
+  for (MetricEntry& e : out) {
+    if (e.on_epoch && !e.accumulated.defined()) e.accumulated = reduction_identity(e.reduce, torch::kFloat64);
+  }
+  return out;
+}
 
 /// The values logged during one loop run. Few names per run: a vector searched linearly beats a map.
 /// Accumulation uses out-of-place ops only, so values computed under InferenceMode mix with normal ones.

@@ -134,39 +134,35 @@ class Trainer {
     return fit(module, std::forward<TrainLoader>(train_loader), NoLoader{}, std::move(ckpt_path));
   }
 
-  /// One validation run; returns its epoch metrics.
+  /// One validation run; returns its epoch metrics. With `ckpt_path` (a file, `"best"` or `"last"`, found as `fit`
+  /// finds them), the checkpoint's weights are loaded into the module first, after its on_load_checkpoint saw the
+  /// file, as Lightning's; nothing else of the file is taken. Empty: the module as it is.
   template <class M, class Loader>
-  std::map<std::string, double> validate(M& module, Loader&& loader) {
-    static_assert(requires(module_impl_t<M>& m, detail::batch_t<Loader>& b, Context& c) { m.validation_step(b, c); },
-                  "volt: validate needs the module's validation_step(const Batch&, volt::Context&) for this "
-                  "loader's batches.");
-    return strategy_.launch([&] {
-      return run_standalone_eval<detail::ValidationKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::validate);
-    });
-  }
-
-  /// One test run; returns its epoch metrics.
+  std::map<std::string, double> validate(M& module, Loader&& loader, const std::string& ckpt_path = {});
+  /// One test run; returns its epoch metrics. `ckpt_path` as validate's.
   template <class M, class Loader>
-  std::map<std::string, double> test(M& module, Loader&& loader) {
-    static_assert(requires(module_impl_t<M>& m, detail::batch_t<Loader>& b, Context& c) { m.test_step(b, c); },
-                  "volt: test needs the module's test_step(const Batch&, volt::Context&) for this loader's batches.");
-    return strategy_.launch([&] {
-      return run_standalone_eval<detail::TestKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::test);
-    });
-  }
+  std::map<std::string, double> test(M& module, Loader&& loader, const std::string& ckpt_path = {});
 
   /// Runs predict_step on every batch (up to limit_predict_batches) and returns the results in order (across
   /// ranks: gathered, data/predict_gather.hpp); `return_predictions = false` keeps none (a PredictionWriter writes them).
+  /// `ckpt_path` as validate's; `predict(module, loader, "best")` also works.
   template <class M, class Loader>
-  auto predict(M& module, Loader&& loader, bool return_predictions = true) {
+  auto predict(M& module, Loader&& loader, bool return_predictions = true, const std::string& ckpt_path = {}) {
     using Batch = detail::batch_t<Loader>;
     static_assert(requires(module_impl_t<M>& m, Batch& b, Context& c) { m.predict_step(b, c); },
                   "volt: predict needs the module's predict_step(const Batch&, volt::Context&) returning a result "
                   "for this loader's batches.");
     using R = std::remove_cvref_t<decltype(std::declval<module_impl_t<M>&>().predict_step(
         std::declval<Batch&>(), std::declval<Context&>()))>;
-    return strategy_.launch(
-        [&] { return run_predict<R>(detail::unwrap(module), detail::deref_loader(loader), return_predictions); });
+    return strategy_.launch([&] {
+      load_for_evaluation(detail::unwrap(module), ckpt_path, "predict");
+      return run_predict<R>(detail::unwrap(module), detail::deref_loader(loader), return_predictions);
+    });
+  }
+  template <class M, class Loader, class Path>
+    requires std::convertible_to<Path, std::string> && (!std::same_as<std::remove_cvref_t<Path>, bool>)
+  auto predict(M& module, Loader&& loader, Path&& ckpt_path) {
+    return predict(module, std::forward<Loader>(loader), true, std::string(std::forward<Path>(ckpt_path)));
   }
 
   // ---- what callbacks and callers read (callbacks/concept.hpp lists it for callback authors) --------
@@ -184,6 +180,8 @@ class Trainer {
   /// In on_train_batch_end: the batch stepped and its metrics go to loggers (every log_every_n_steps), so a monitor
   /// that records values (ThroughputMonitor) records them now.
   bool logs_this_batch() const { return progress_.log_due; }
+  /// The step loggers file values under now (Lightning's `_batches_that_stepped` when it logs; loops/progress.hpp).
+  int64_t logging_step() const { return progress_.logging_step(); }
   /// The running loop (train, sanity_check, validate, test, predict).
   Stage stage() const { return state_.stage; }
   /// Whether the short validation run before training is running.
@@ -316,7 +314,9 @@ class Trainer {
 
   // ---- checkpoints (trainer/checkpoint_impl.hpp) ----
   at::Tensor gather_ranks(const at::Tensor& t);
-  std::string resolve_ckpt_path(const std::string& path) const;
+  std::string resolve_ckpt_path(const std::string& path, const char* run) const;
+  template <class Impl>
+  void load_for_evaluation(Impl& module, const std::string& ckpt_path, const char* run);
   template <class Impl, class TL>
   detail::ResumePoint restore(Impl& module, TL& train_loader, const std::string& path);
 

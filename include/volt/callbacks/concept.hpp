@@ -49,6 +49,7 @@
 /// | `callback_metrics()`, `progress_bar_metrics()`, `logged_metrics()`, `callback_metric_values()` | the latest logged values |
 /// | `record_metric(name, value, prog_bar, logger)`, `record_metrics(values, ...)` | values of the callback's own (a learning rate), to callback_metrics and loggers (one logging event per call) |
 /// | `logs_this_batch()` | in `on_train_batch_end`: the batch stepped and loggers get its metrics (every `log_every_n_steps`) |
+/// | `logging_step()` | the step loggers file values under now (in a training batch: the batches that stepped before it) |
 /// | `request_stop()`, `should_stop()` | ask the fit to stop (honoured once min_epochs/min_steps are met) |
 /// | `save_checkpoint(path, weights_only)` | write a checkpoint now; every rank must call it |
 /// | `optimizer()`, `lr_scheduler()`, `optimizers()` | the running fit's (the first; null before one), and all of them (several under manual optimization) |
@@ -89,6 +90,10 @@
 #include <type_traits>
 
 namespace volt {
+
+/// Whether a monitored value improves downwards (a loss) or upwards (an accuracy): `mode` of ModelCheckpoint and
+/// EarlyStopping, as Lightning's `mode="min"`/`"max"` (`volt::Mode::max`, or `volt::ModelCheckpoint::Mode::max`).
+enum class Mode { min, max };
 
 /// Any movable object can be a callback: every hook is optional.
 template <class C>

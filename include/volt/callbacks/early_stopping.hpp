@@ -24,7 +24,7 @@ namespace volt {
 /// (or `check_on_train_epoch_end` says so). The decision is reduced across ranks, so all agree.
 class EarlyStopping {
  public:
-  enum class Mode { min, max };
+  using Mode = volt::Mode;
   struct Options {
     std::string monitor;
     Mode mode = Mode::min;

@@ -1,10 +1,12 @@
 #pragma once
 
 #include "volt/callbacks/concept.hpp"
+#include "volt/module.hpp"
 
 #include <c10/util/Type.h>
 #include <torch/optim/optimizer.h>
 
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
@@ -14,10 +16,14 @@ namespace volt {
 
 /// Records the learning rate of each parameter group as `lr-<Optimizer>` (`lr-<Optimizer>/pg<i>` when
 /// there are several groups; `lr-<Optimizer>-1` for a second optimizer of one type), as Lightning's
-/// LearningRateMonitor: at every optimizer step, or at the start of every epoch.
+/// LearningRateMonitor: at the start of every epoch, or (`volt::Interval::step`) at the start of every training batch
+/// that loggers get values of (every `log_every_n_steps` optimizer steps), under the step its values are filed at:
+/// the rate step i runs with is recorded at step i. Lightning records again at each batch of an accumulation window;
+/// volt once per step.
 class LearningRateMonitor {
  public:
-  enum class Interval { step, epoch };
+  /// Lightning's `logging_interval`: "epoch" or "step" (the schedulers' `volt::Interval`).
+  using Interval = volt::Interval;
   struct Options {
     Interval logging_interval = Interval::epoch;
     bool prog_bar = false;
@@ -30,9 +36,13 @@ class LearningRateMonitor {
   void on_train_epoch_start(T& trainer, M&) {
     if (options_.logging_interval == Interval::epoch) record(trainer);
   }
-  template <class T, class M>
-  void on_before_optimizer_step(T& trainer, M&, torch::optim::Optimizer&) {
-    if (options_.logging_interval == Interval::step) record(trainer);
+  template <class T, class M, class B>
+  void on_train_batch_start(T& trainer, M&, const B&, int64_t) {
+    if (options_.logging_interval != Interval::step) return;
+    const int64_t step = trainer.logging_step();  // the batches that stepped before this one
+    if ((step + 1) % trainer.options().log_every_n_steps != 0 || step == last_step_) return;
+    last_step_ = step;
+    record(trainer);
   }
 
   /// The rate last recorded for the first optimizer's group 0 (unset before the first record).
@@ -60,6 +70,7 @@ class LearningRateMonitor {
 
   Options options_;
   std::optional<double> last_lr_;
+  int64_t last_step_ = -1;  // the step last recorded at (Interval::step)
 };
 
 }  // namespace volt

@@ -27,7 +27,8 @@ namespace volt {
 ///    validates once at the end of each epoch, else after each validation run;
 ///  - which: without `monitor`, the latest (`save_top_k` = 1, the previous one is deleted), all (-1) or none
 ///    (0); with `monitor`, the `save_top_k` best by `mode` (a checkpoint that drops out of the top k is
-///    deleted; -1 keeps all); `save_last` also writes `last.ckpt` each time;
+///    deleted; -1 keeps all); `save_last` also writes `last.ckpt` at each of these saves, at every epoch's end (or
+///    validation's end) whatever `every_n_epochs` says, and at the fit's end when it trained past its newest save;
 ///  - where: `dirpath` (default `<default_root_dir>/checkpoints`), named by `filename`, a template such as
 ///    `"{epoch}-{step}-{val_loss:.3f}"` (→ `epoch=2-step=300-val_loss=0.123.ckpt`; `auto_insert_metric_name`
 ///    adds the `name=`; an integer spec such as `{epoch:03d}` or a floating one such as `{val_loss:.2e}` is a
@@ -48,7 +49,7 @@ namespace volt {
 /// when there is none yet), `"best"` from its best.
 class ModelCheckpoint {
  public:
-  enum class Mode { min, max };
+  using Mode = volt::Mode;
   struct Options {
     /// Folder; empty: `<default_root_dir>/checkpoints`.
     std::string dirpath;
@@ -142,16 +143,26 @@ class ModelCheckpoint {
     save(trainer);
   }
 
+  /// `last.ckpt` at every epoch's end (or validation's end), whatever every_n_epochs says, as Lightning.
   template <class T, class M>
   void on_train_epoch_end(T& trainer, M&) {
     if (skip(trainer) || !saves_on_train_epoch_end(trainer)) return;
-    if (every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save(trainer);
+    save(trainer, every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0);
   }
 
   template <class T, class M>
   void on_validation_end(T& trainer, M&) {
     if (skip(trainer) || saves_on_train_epoch_end(trainer)) return;
-    if (every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save(trainer);
+    save(trainer, every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0);
+  }
+
+  /// `last.ckpt` at the fit's end when the fit trained past its newest save (max_steps inside an epoch whose
+  /// checkpoints come after validation, every_n_epochs > 1): `fit(..., "last")` then finds the end of the fit.
+  /// Lightning writes it only when this callback saved nothing in the fit, and also under fast_dev_run; volt
+  /// departs on both, so that last.ckpt is always the fit's last state and fast_dev_run writes no file.
+  template <class T, class M>
+  void on_train_end(T& trainer, M&) {
+    if (options_.save_last && !skip(trainer)) save(trainer, false);
   }
 
   // ---- what it knows --------------------------------------------------------------------------------
@@ -380,13 +391,14 @@ class ModelCheckpoint {
     return trainer.strategy().host_all_gather(path)[0];
   }
 
+  /// A save: the top k (or the latest) when `top_k`, and `last.ckpt` when save_last.
   template <class T>
-  void save(T& trainer) {
+  void save(T& trainer, bool top_k = true) {
     last_global_step_saved_ = trainer.global_step();
     const auto metrics = trainer.callback_metric_values();
     std::vector<std::string> remove;
     std::string written;
-    if (options_.save_top_k != 0) {
+    if (top_k && options_.save_top_k != 0) {
       const std::string path = free_path(trainer, format_name(trainer.current_epoch(), trainer.global_step(), metrics));
       if (!options_.monitor) {
         if (options_.save_top_k == 1 && !best_model_path_.empty() && best_model_path_ != path) remove.push_back(best_model_path_);

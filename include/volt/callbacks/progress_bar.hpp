@@ -46,6 +46,12 @@ class ProgressBar {
     plain_ = options_.plain.value_or(!(out_ == &std::cout && ::isatty(STDOUT_FILENO)));
   }
 
+  /// A fit resumed inside an epoch gets no on_train_epoch_start for it (Lightning's order): the training's start
+  /// starts the epoch's line too.
+  template <class T, class M>
+  void on_train_start(T& trainer, M& module) {
+    on_train_epoch_start(trainer, module);
+  }
   template <class T, class M>
   void on_train_epoch_start(T& trainer, M&) {
     if (!trainer.is_global_zero()) return;

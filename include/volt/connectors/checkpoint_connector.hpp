@@ -101,25 +101,56 @@ inline c10::impl::GenericList metrics_to_state(volt::detail::MetricStore& store)
   }
   return out;
 }
-/// The metric sums `file` holds.
-inline std::vector<volt::detail::MetricEntry> metrics_from_state(const View& file) {
-  std::vector<volt::detail::MetricEntry> out;
-  for (const auto& item : file.at(keys::metrics).toListRef()) {
-    const View d = file.of(item);
-    auto b = [&](const char* k) { return d.flag(k); };
-    volt::detail::MetricEntry e;
-    e.name = d.at(metric_keys::name).toStringRef();
-    e.on_step = b(metric_keys::on_step);
-    e.on_epoch = b(metric_keys::on_epoch);
-    e.prog_bar = b(metric_keys::prog_bar);
-    e.logger = b(metric_keys::logger);
-    e.sync_dist = b(metric_keys::sync_dist);
-    e.reduce = static_cast<Reduce>(d.integer(metric_keys::reduce));
-    const c10::IValue acc = d.at(metric_keys::accumulated);
-    if (acc.isTensor()) e.accumulated = acc.toTensor();
-    e.weight = d.at(metric_keys::weight).toDouble();
-    out.push_back(std::move(e));
+
+/// The `metrics` entry: every rank's running sums, in rank order (a collective: every rank calls it). `gather` is the
+/// strategy's `host_all_gather`: each rank's list crosses as LibTorch pickles it.
+template <class Gather>
+c10::impl::GenericList metrics_of_ranks(volt::detail::MetricStore& store, int world_size, Gather&& gather) {
+  c10::impl::GenericList out(c10::AnyType::get());
+  const c10::impl::GenericList mine = metrics_to_state(store);
+  if (world_size == 1) {
+    out.push_back(mine);
+    return out;
   }
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(mine));
+  for (const std::string& b : gather(std::string(bytes.begin(), bytes.end()))) {
+    out.push_back(torch::pickle_load(std::vector<char>(b.begin(), b.end())));
+  }
+  return out;
+}
+
+/// The metric sums `file` holds, per saving rank. Files of volt 0.x before every rank's were kept hold rank zero's
+/// list alone (a list of entries, not of lists): read as one rank's.
+inline std::vector<std::vector<volt::detail::MetricEntry>> metrics_from_state(const View& file) {
+  auto entries_of = [&](const c10::IValue& list) {
+    std::vector<volt::detail::MetricEntry> out;
+    for (const auto& item : list.toListRef()) {
+      const View d = file.of(item);
+      auto b = [&](const char* k) { return d.flag(k); };
+      volt::detail::MetricEntry e;
+      e.name = d.at(metric_keys::name).toStringRef();
+      e.on_step = b(metric_keys::on_step);
+      e.on_epoch = b(metric_keys::on_epoch);
+      e.prog_bar = b(metric_keys::prog_bar);
+      e.logger = b(metric_keys::logger);
+      e.sync_dist = b(metric_keys::sync_dist);
+      const int64_t reduce = d.integer(metric_keys::reduce);
+      if (reduce < 0 || reduce > static_cast<int64_t>(Reduce::min)) {
+        file.fail(" has a metric \"" + e.name + "\" with reduction " + std::to_string(reduce) + "; volt writes 0 to 3.");
+      }
+      e.reduce = static_cast<Reduce>(reduce);
+      const c10::IValue acc = d.at(metric_keys::accumulated);
+      if (acc.isTensor()) e.accumulated = acc.toTensor();
+      e.weight = d.at(metric_keys::weight).toDouble();
+      out.push_back(std::move(e));
+    }
+    return out;
+  };
+  const c10::IValue& all = file.at(keys::metrics);
+  const auto ranks = all.toListRef();
+  if (!ranks.empty() && !ranks[0].isList()) return {entries_of(all)};
+  std::vector<std::vector<volt::detail::MetricEntry>> out;
+  for (const auto& r : ranks) out.push_back(entries_of(r));
   return out;
 }
 
@@ -292,7 +323,8 @@ struct FitState {
   std::map<std::string, double> precision;
   Dict loops = make_dict();
   std::optional<data::LoaderState> train_loader;
-  volt::detail::MetricStore* metrics = nullptr;
+  /// Every rank's training-epoch metric sums (`metrics_of_ranks`).
+  c10::impl::GenericList metrics{c10::AnyType::get()};
   /// Every generator's states of every rank (see `rng_to_state`).
   std::vector<at::Tensor> rng;
   Dict callbacks = make_dict();
@@ -310,7 +342,7 @@ inline void write_fit_state(Dict& d, const FitState& s) {
     loaders.insert(loader_keys::train, loader_state_to_dict(*s.train_loader));
     d.insert(keys::loaders, loaders);
   }
-  d.insert(keys::metrics, metrics_to_state(*s.metrics));
+  d.insert(keys::metrics, s.metrics);
   d.insert(keys::rng, rng_to_state(s.rng));
   d.insert(keys::callbacks, s.callbacks);
 }
@@ -328,7 +360,8 @@ struct ResumeState {
   std::vector<at::Tensor> optimizers;
   std::vector<int64_t> scheduler_step_counts;
   std::map<std::string, double> precision;
-  std::vector<volt::detail::MetricEntry> metrics;
+  /// The training epoch's metric sums of each saving rank (`volt::detail::resumed_entries` gives this rank's).
+  std::vector<std::vector<volt::detail::MetricEntry>> metrics;
   /// The callbacks' states (a view of `file`).
   View callbacks;
   /// This rank's gradients accumulated so far in the saved window, one per parameter (empty: none saved).

@@ -10,8 +10,10 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace volt::detail {
 
@@ -55,15 +57,18 @@ class LoggerConnector {
 
   /// At an epoch's end: every on_epoch value reduced over the epoch (and across ranks when asked); those for
   /// loggers also go into `to_log` when given. Safe to call more than once: later calls add what epoch-end
-  /// hooks logged since.
-  void publish_epoch(MetricStore& store, Collectives& collectives, MetricMap* to_log) {
+  /// hooks logged since. Every rank calls it: the ranks first agree on the names logged with sync_dist, so that a
+  /// rank that logged some of them, or none (no batch of a small loader), takes part with an empty sum.
+  void publish_epoch(MetricStore& store, Collectives& collectives, MetricMap* to_log, const torch::Device& device) {
+    if (collectives.world_size() > 1) agree_on_synced(store, collectives, device);
     for (auto& e : store.entries()) {
-      if (!e.on_epoch || e.weight == 0.0) continue;
-      torch::Tensor acc = e.accumulated;
+      if (!e.on_epoch || (!e.sync_dist && e.weight == 0.0)) continue;
+      torch::Tensor acc = e.accumulated.defined() ? e.accumulated : reduction_identity(e.reduce, torch::kFloat64);
       torch::Tensor weight = torch::scalar_tensor(e.weight, acc.options());
       if (e.sync_dist) {  // a weighted mean: sum the weighted values and the weights across ranks
         acc = collectives.all_reduce(acc, e.reduce == Reduce::mean ? Reduce::sum : e.reduce);
-        if (e.reduce == Reduce::mean) weight = collectives.all_reduce(weight, Reduce::sum);
+        weight = collectives.all_reduce(weight, Reduce::sum);
+        if (weight.template item<double>() == 0.0) continue;  // no rank has a value yet
       }
       const torch::Tensor v = e.reduce == Reduce::mean ? acc / weight : acc;
       const std::string key = e.epoch_key();
@@ -78,6 +83,42 @@ class LoggerConnector {
   }
 
  private:
+  /// Every rank ends with every name some rank logged with sync_dist and on_epoch (an empty sum where it has none),
+  /// those names in the same order (rank zero's first, then each other rank's new ones) ahead of its own others.
+  static void agree_on_synced(MetricStore& store, Collectives& collectives, const torch::Device& device) {
+    std::string mine;  // per name: its options, then the name, each entry ending in '\0'
+    for (const auto& e : store.entries()) {
+      if (!e.sync_dist || !e.on_epoch) continue;
+      mine += static_cast<char>('0' + static_cast<int>(e.reduce));
+      for (bool f : {e.on_step, e.prog_bar, e.logger}) mine += f ? '1' : '0';
+      mine += e.name;
+      mine += '\0';
+    }
+    std::vector<MetricEntry> agreed;
+    for (const std::string& theirs : collectives.host_all_gather(mine)) {
+      for (std::size_t at = 0; at < theirs.size();) {
+        const std::size_t end = theirs.find('\0', at);
+        const std::string name = theirs.substr(at + 4, end - at - 4);
+        if (std::none_of(agreed.begin(), agreed.end(), [&](const MetricEntry& e) { return e.name == name; })) {
+          MetricEntry e{name, theirs[at + 1] == '1', true, theirs[at + 2] == '1', theirs[at + 3] == '1', true,
+                        static_cast<Reduce>(theirs[at] - '0'), {}, false, {}, 0.0};
+          e.accumulated = reduction_identity(e.reduce, torch::TensorOptions(torch::kFloat64).device(device));
+          agreed.push_back(std::move(e));
+        }
+        at = end + 1;
+      }
+    }
+    for (auto& e : store.entries()) {
+      auto it = std::find_if(agreed.begin(), agreed.end(), [&](const MetricEntry& a) { return a.name == e.name; });
+      if (it != agreed.end()) {
+        *it = std::move(e);
+      } else {
+        agreed.push_back(std::move(e));
+      }
+    }
+    store.entries() = std::move(agreed);
+  }
+
   void set(const std::string& key, const torch::Tensor& v, bool prog_bar, bool logger) {
     callback_metrics_[key] = v;
     if (prog_bar) progress_bar_metrics_[key] = v;

@@ -20,6 +20,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -78,18 +79,33 @@ class ImageFolder {
       if (entry.is_directory()) classes_.push_back(entry.path().filename().string());
     }
     std::sort(classes_.begin(), classes_.end());
+    std::string empty;  // class folders without an image: each would be a class no sample has, as torchvision refuses
     for (std::size_t c = 0; c < classes_.size(); ++c) {
       std::vector<std::string> files;
       for (const auto& entry : fs::directory_iterator(fs::path(root) / classes_[c])) {
-        if (entry.is_regular_file() && entry.path().extension() == ".png") files.push_back(entry.path().string());
+        if (entry.is_regular_file() && is_png(entry.path())) files.push_back(entry.path().string());
       }
+      if (files.empty()) empty += (empty.empty() ? "" : ", ") + classes_[c];
       std::sort(files.begin(), files.end());
       for (auto& f : files) samples_.emplace_back(std::move(f), static_cast<int64_t>(c));
     }
-    if (samples_.empty()) {
-      throw std::invalid_argument("volt: ImageFolder found no .png files in the class folders of " + root + " (" +
-                                  std::to_string(classes_.size()) + " folders); expected root/<class>/<image>.png.");
+    if (classes_.empty()) {
+      throw std::invalid_argument("volt: ImageFolder found no class folders in " + root +
+                                  "; expected root/<class>/<image>.png.");
     }
+    if (!empty.empty()) {
+      throw std::invalid_argument("volt: ImageFolder found no valid file for the classes " + empty + " in " + root +
+                                  " (every class folder becomes a class index, so an empty one would shift the "
+                                  "labels). Supported extensions are: .png (in any case). Remove the empty folders or "
+                                  "put their images in.");
+    }
+  }
+
+  /// Whether `file` is a PNG by its extension, compared without case (`.png`, `.PNG`), as torchvision compares.
+  static bool is_png(const std::filesystem::path& file) {
+    std::string ext = file.extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    return ext == ".png";
   }
 
   int64_t size() const { return static_cast<int64_t>(samples_.size()); }

@@ -31,6 +31,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -50,10 +53,26 @@ auto read_sample(const D& d, int64_t index, at::Generator& gen) {
   }
 }
 
-/// Stacks tensors, and `Example`s field by field.
-template <class Sample>
-auto stack_samples(std::vector<Sample>&& samples) {
+/// Checks that the tensors of one field of a batch have one shape before they are stacked; otherwise says which
+/// sample differs, by `name(i)` (its data set index, and its file where the data set names one).
+template <class Name>
+void check_stackable(const std::vector<torch::Tensor>& tensors, const char* field, Name&& name) {
+  for (std::size_t i = 1; i < tensors.size(); ++i) {
+    if (tensors[i].sizes() == tensors[0].sizes()) continue;
+    std::ostringstream s;
+    s << "volt: SampleLoader cannot stack a batch: the " << field << " of " << name(i) << " is " << tensors[i].sizes()
+      << " where that of " << name(0) << ", the batch's first, is " << tensors[0].sizes()
+      << ". Give every sample one shape (resize or crop in the data set's transform), or give the data set a "
+         "collate(std::vector<Sample>&&) const of its own.";
+    throw std::invalid_argument(s.str());
+  }
+}
+
+/// Stacks tensors, and `Example`s field by field; `name(i)` names the batch's i-th sample in an error.
+template <class Sample, class Name>
+auto stack_samples(std::vector<Sample>&& samples, Name&& name) {
   if constexpr (std::is_same_v<Sample, torch::Tensor>) {
+    check_stackable(samples, "tensor", name);
     return torch::stack(samples);
   } else if constexpr (std::is_same_v<Sample, torch::data::Example<>>) {
     std::vector<torch::Tensor> data, target;
@@ -63,6 +82,8 @@ auto stack_samples(std::vector<Sample>&& samples) {
       data.push_back(std::move(s.data));
       target.push_back(std::move(s.target));
     }
+    check_stackable(data, "data", name);
+    check_stackable(target, "target", name);
     return torch::data::Example<>{torch::stack(data), torch::stack(target)};
   } else {
     static_assert(std::is_same_v<Sample, torch::Tensor>,
@@ -99,7 +120,11 @@ class SampleLoader : public StatefulLoader<SampleLoader<Dataset>> {
     if constexpr (requires { dataset_->collate(std::move(samples)); }) {
       return dataset_->collate(std::move(samples));
     } else {
-      return detail::stack_samples(std::move(samples));
+      return detail::stack_samples(std::move(samples), [&](std::size_t i) {
+        std::string n = "sample " + std::to_string(p[i]);
+        if constexpr (requires { dataset_->path(int64_t{}); }) n += " (" + std::string(dataset_->path(p[i])) + ")";
+        return n;
+      });
     }
   }
   const Dataset& dataset() const { return *dataset_; }

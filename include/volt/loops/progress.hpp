@@ -8,6 +8,7 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -90,6 +91,8 @@ struct FitProgress {
   int64_t total_batch_idx = 0;
   /// Training batches after which an optimizer stepped (loggers count these, as Lightning's `_batches_that_stepped`).
   int64_t batches_that_stepped = 0;
+  /// The running training batch counted in `batches_that_stepped` (it ended an accumulation window).
+  bool batch_stepped = false;
   /// The running training batch stepped and is one whose metrics go to loggers (every log_every_n_steps).
   bool log_due = false;
   /// Batches of the running epoch done so far (the running one included).
@@ -116,6 +119,14 @@ struct FitProgress {
   /// Seconds trained by the fits this one resumed from, and when this one's training started (max_time).
   double time_before = 0.0;
   std::optional<std::chrono::steady_clock::time_point> clock_start;
+
+  /// The step loggers file values under, as Lightning's `_batches_that_stepped` at the moment it logs: inside a
+  /// training batch, the batches that stepped before it (a validation inside an accumulation window: all of them so
+  /// far); at a training epoch's end, its last stepping batch's; anywhere else (validate, test), all of them.
+  int64_t logging_step() const {
+    if ((in_train_batch && batch_stepped) || in_epoch_end) return std::max<int64_t>(batches_that_stepped - 1, 0);
+    return batches_that_stepped;
+  }
 
   void start_clock() { clock_start = std::chrono::steady_clock::now(); }
   /// Seconds of training so far, the fits this one resumed from included.

@@ -59,19 +59,15 @@ class DDP : public detail::ProcessGroupStrategy<L, B> {
 
   /// Shards loaders that can be sharded: for training, one per-epoch permutation on every rank, padded; for
   /// evaluation and prediction, the one-process batches dealt out in turn where the loader can (no sample twice,
-  /// so means are over the real samples and predict's gathered results are the one-process results).
+  /// so means are over the real samples and predict's gathered results are the one-process results; a rank may get
+  /// none).
   template <class Loader>
   decltype(auto) process_dataloader(Loader&& loader, Stage stage) {
     if constexpr (data::SplittableLoader<std::remove_cvref_t<Loader>>) {
       const auto split = stage == Stage::train ? data::Split::padded_samples : data::Split::whole_batches;
-      auto shard = loader.shard(this->global_rank(), this->world_size(), split);
-      if (stage != Stage::train && stage != Stage::predict && loader.size() < this->world_size()) {
-        // Epoch means are reduced across ranks from what each logged: every rank needs a batch to log.
-        throw ConfigError("volt: the " + std::string(to_string(stage)) + " loader has " + std::to_string(loader.size()) +
-                          " batches for " + std::to_string(this->world_size()) + " ranks; each rank needs at least "
-                          "one: give it a smaller batch_size or run it on fewer ranks.");
-      }
-      return shard;
+      // Fewer evaluation batches than ranks leave some ranks none: they take part in the epoch's reductions with
+      // empty sums (connectors/logger_connector.hpp), as Lightning runs such a loader.
+      return loader.shard(this->global_rank(), this->world_size(), split);
     } else if constexpr (requires { loader.shard(0, 1); }) {
       if (stage != Stage::train) warn_once("a loader without shard(rank, world_size, volt::data::Split) is split for "
                                            "evaluation as for training: padded, so some samples count twice.");

@@ -30,8 +30,10 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
   }
   // Every rank's share, gathered on every rank (collectives): generator states and mid-window gradients.
   std::vector<at::Tensor> rng, optimizers;
-  c10::impl::GenericList grads(c10::AnyType::get());
+  c10::impl::GenericList grads(c10::AnyType::get()), metrics(c10::AnyType::get());
   if (!weights_only) {
+    metrics = checkpoint::metrics_of_ranks(train_store_, strategy_.world_size(),
+                                           [this](const std::string& b) { return strategy_.host_all_gather(b); });
     for (auto& o : optim_) optimizers.push_back(strategy_.optimizer_state(o.optimizer()));  // ZeRO gathers its pieces
     for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
     // Gradients accumulated so far in this window, or (manual optimization) the module's gradients.
@@ -65,7 +67,7 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
       } else if (!fitting_ && final_loader_state_) {
         fit.train_loader = *final_loader_state_;
       }
-      fit.metrics = &train_store_;
+      fit.metrics = std::move(metrics);
       fit.rng = std::move(rng);
       fit.callbacks = checkpoint::callbacks_to_state(callbacks_);
       checkpoint::write_fit_state(d, fit);
@@ -85,10 +87,12 @@ at::Tensor Trainer<S, P, A, Cs...>::gather_ranks(const at::Tensor& t) {
 }
 
 /// `"last"` and `"best"` through the callbacks that find checkpoints (callbacks/concept.hpp); any other path
-/// as it is. "" for a "last" that finds nothing yet (a fresh start, as Lightning).
+/// as it is. "" for a "last" that finds nothing yet (a fresh start, as Lightning; for `run` validate, test or
+/// predict: the module's own weights). `run` names the call in messages.
 template <class S, class P, class A, class... Cs>
-std::string Trainer<S, P, A, Cs...>::resolve_ckpt_path(const std::string& path) const {
+std::string Trainer<S, P, A, Cs...>::resolve_ckpt_path(const std::string& path, const char* run) const {
   if (path != "last" && path != "best") return path;
+  const std::string call = std::string(run) + "(..., ckpt_path=\"" + path + "\")";
   bool any = false;
   const std::string found = detail::first_answer<std::string>(callbacks_, [&](const auto& c)
     requires requires { c.find_last_checkpoint(*this); c.find_best_checkpoint(*this); }
@@ -97,17 +101,35 @@ std::string Trainer<S, P, A, Cs...>::resolve_ckpt_path(const std::string& path) 
     return path == "last" ? c.find_last_checkpoint(*this) : c.find_best_checkpoint(*this);
   });
   if (!any) {
-    throw ConfigError("volt: fit(..., ckpt_path=\"" + path + "\") looks for checkpoints through a ModelCheckpoint "
-                      "callback, and this Trainer has none. Add one, or give the checkpoint's file path.");
+    throw ConfigError("volt: " + call + " looks for checkpoints through a ModelCheckpoint callback, and this Trainer "
+                      "has none. Add one, or give the checkpoint's file path.");
   }
   if (found.empty() && path == "best") {
-    throw CheckpointError("volt: fit(..., ckpt_path=\"best\"): no best checkpoint is known yet (no ModelCheckpoint "
-                          "has saved one with a monitor, and its folder holds no checkpoint naming one).");
+    throw CheckpointError("volt: " + call + ": no best checkpoint is known yet (no ModelCheckpoint has saved one "
+                          "with a monitor, and its folder holds no checkpoint naming one).");
   }
   if (found.empty() && strategy_.is_global_zero()) {
-    std::cerr << "volt: fit(..., ckpt_path=\"last\"): no checkpoint was found yet; training starts from the beginning.\n";
+    std::cerr << "volt: " << call << ": no checkpoint was found yet; "
+              << (std::string(run) == "fit" ? "training starts from the beginning.\n"
+                                            : "the module's own weights are used.\n");
   }
   return found;
+}
+
+/// validate/test/predict's `ckpt_path`, as Lightning's `restore_model`: the file read and its weights checked against
+/// the module (nothing changes when they do not fit), the module's on_load_checkpoint given the file, then the weights
+/// copied in. Optimizers, loops and callbacks are not taken (they are a fit's).
+template <class S, class P, class A, class... Cs>
+template <class Impl>
+void Trainer<S, P, A, Cs...>::load_for_evaluation(Impl& module, const std::string& ckpt_path, const char* run) {
+  if (ckpt_path.empty()) return;
+  const std::string path = resolve_ckpt_path(ckpt_path, run);
+  if (path.empty()) return;  // "last" found nothing (said)
+  const checkpoint::View file = checkpoint::View::read(path);
+  const checkpoint::View weights = file.sub(checkpoint::keys::state_dict);
+  checkpoint::check_module_state(module, weights);
+  if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) module.on_load_checkpoint(file.dict());
+  checkpoint::load_module_state(module, weights.dict());
 }
 
 /// Reads and checks `path` (checkpoint_connector.hpp), then loads all of it: on any error nothing is changed.
@@ -164,7 +186,7 @@ detail::ResumePoint Trainer<S, P, A, Cs...>::restore(Impl& module, TL& train_loa
   state_.global_step = r.point.global_step;
   progress_.load(r.point);
   train_store_.clear();
-  for (auto& e : r.metrics) {
+  for (auto& e : detail::resumed_entries(r.metrics, strategy_.global_rank(), strategy_.world_size())) {
     if (e.accumulated.defined()) e.accumulated = e.accumulated.to(state_.device);
     train_store_.entries().push_back(std::move(e));
   }

@@ -55,7 +55,7 @@ void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, 
   if constexpr (Kind::publishes) {
     if (stage != Stage::sanity_check) {
       detail::MetricMap to_log;
-      logger_.publish_epoch(eval_store_, collectives_, &to_log);
+      logger_.publish_epoch(eval_store_, collectives_, &to_log, state_.device);
       send_to_loggers(to_log);
       flush_loggers();
     }
@@ -81,6 +81,31 @@ void Trainer<S, P, A, Cs...>::run_eval_loop(Impl& module, L& loader, Stage stage
   }
   if (was_training) module.train();
   state_.stage = previous;
+}
+
+/// See the declaration.
+template <class S, class P, class A, class... Cs>
+template <class M, class Loader>
+std::map<std::string, double> Trainer<S, P, A, Cs...>::validate(M& module, Loader&& loader, const std::string& ckpt_path) {
+  static_assert(requires(module_impl_t<M>& m, detail::batch_t<Loader>& b, Context& c) { m.validation_step(b, c); },
+                "volt: validate needs the module's validation_step(const Batch&, volt::Context&) for this "
+                "loader's batches.");
+  return strategy_.launch([&] {
+    load_for_evaluation(detail::unwrap(module), ckpt_path, "validate");
+    return run_standalone_eval<detail::ValidationKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::validate);
+  });
+}
+
+/// See the declaration.
+template <class S, class P, class A, class... Cs>
+template <class M, class Loader>
+std::map<std::string, double> Trainer<S, P, A, Cs...>::test(M& module, Loader&& loader, const std::string& ckpt_path) {
+  static_assert(requires(module_impl_t<M>& m, detail::batch_t<Loader>& b, Context& c) { m.test_step(b, c); },
+                "volt: test needs the module's test_step(const Batch&, volt::Context&) for this loader's batches.");
+  return strategy_.launch([&] {
+    load_for_evaluation(detail::unwrap(module), ckpt_path, "test");
+    return run_standalone_eval<detail::TestKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::test);
+  });
 }
 
 /// `validate` and `test`: a run of its own around one evaluation loop; returns the callback metrics.

@@ -119,7 +119,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
   if (options_.detect_anomaly) anomaly.emplace();
   ckpt_path_.clear();
   guarded(module, [&] {
-    const std::string resume_from = ckpt_path.empty() ? std::string() : resolve_ckpt_path(ckpt_path);
+    const std::string resume_from = ckpt_path.empty() ? std::string() : resolve_ckpt_path(ckpt_path, "fit");
     ckpt_path_ = resume_from;
     hook<detail::hooks::setup>(module, ctx, Stage::train);
     optim_ = detail::scheduled_optimizers(module.configure_optimizers());
@@ -184,17 +184,22 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
     }
   }
 
-  module.train();
-  hook<detail::hooks::on_train_start>(module, ctx);
-  progress_.start_clock();  // max_time counts training from here, on top of the time of a fit resumed from
-
-  if (resume) {  // the generators as they were at the save; an epoch saved from its end hooks is closed
-    checkpoint::set_rng_states(resume->rng);
-    if (resume->epoch_finished) {
+  std::optional<std::vector<at::Tensor>> rng;  // the generators as they were at the save
+  if (resume) {
+    rng = std::move(resume->rng);
+    if (resume->epoch_finished) {  // an epoch saved from its end hooks is closed: the training starts at the next
       resume.reset();
       close_epoch();
     }
   }
+  if (fit_done()) {  // nothing to train (no batches, max_epochs or max_steps reached): no training loop, as Lightning
+    hook<detail::hooks::on_fit_end>(module, ctx);
+    return;
+  }
+  module.train();
+  hook<detail::hooks::on_train_start>(module, ctx);
+  progress_.start_clock();  // max_time counts training from here, on top of the time of a fit resumed from
+  if (rng) checkpoint::set_rng_states(*rng);
   std::string time_notice;
   try {
     while (!fit_done()) train_epoch(module, ctx, step, train, val, resume);
@@ -215,7 +220,9 @@ void Trainer<S, P, A, Cs...>::train_epoch(Impl& module, Context& ctx, Step& step
   if constexpr (requires { train.set_epoch(int64_t{}); }) train.set_epoch(state_.current_epoch);
   if (!resume) train_store_.clear();  // a resumed epoch keeps the metric sums of its first part
   state_.stage = Stage::train;
-  hook<detail::hooks::on_train_epoch_start>(module, ctx);
+  // An epoch resumed after some of its batches has started already: its start hooks ran before the save, and what
+  // they reset is what the checkpoint restored (Lightning's `_FitLoop.on_advance_start`).
+  if (!resume || resume->batch_in_epoch == 0) hook<detail::hooks::on_train_epoch_start>(module, ctx);
 
   int64_t start = 0;
   bool skip = false;
@@ -239,11 +246,11 @@ void Trainer<S, P, A, Cs...>::train_epoch(Impl& module, Context& ctx, Step& step
 
   // Epoch end: callbacks, the module, then callbacks that monitor metrics (they see its logs).
   progress_.in_epoch_end = true;
-  logger_.publish_epoch(train_store_, collectives_, nullptr);
+  logger_.publish_epoch(train_store_, collectives_, nullptr, state_.device);
   detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::not_monitoring>(callbacks_, *this, module);
   detail::hooks::on_train_epoch_end::module(module, ctx);
   detail::MetricMap epoch_log;
-  logger_.publish_epoch(train_store_, collectives_, &epoch_log);
+  logger_.publish_epoch(train_store_, collectives_, &epoch_log, state_.device);
   detail::call_callbacks<detail::hooks::on_train_epoch_end, detail::Watch::monitoring>(callbacks_, *this, module);
   send_to_loggers(epoch_log);
   flush_loggers();
@@ -265,8 +272,9 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, Step& step
       p.train_batch_idx = idx;
       p.train_is_last = last;
       p.val_started = false;
+      p.batch_stepped = false;
     }
-    ~InBatch() { p.in_train_batch = false; }
+    ~InBatch() { p.in_train_batch = p.batch_stepped = false; }
   } in_batch(progress_, batch_idx, is_last);
   enter_batch(batch, batch_idx);
   using detail::hooks::on_train_batch_start;
@@ -282,14 +290,16 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, Step& step
 
   const auto window = detail::Window::of(batch_idx, is_last, options_.accumulate_grad_batches);
   progress_.mid_window = !window.steps;
-  const int64_t steps_before = state_.global_step;
   torch::Tensor detached = step.run(module, ctx, batch, window);
-  const bool stepped = state_.global_step != steps_before;
-  if (stepped) ++progress_.batches_that_stepped;
-  const bool steps = manual_optimization<Impl> ? stepped : window.steps;
-  // Every log_every_n_steps batches that stepped, as Lightning counts them (the same as optimizer steps, except under
-  // manual optimization, where a batch may step several optimizers); callbacks read it as logs_this_batch().
-  const int64_t counted = manual_optimization<Impl> ? progress_.batches_that_stepped : state_.global_step;
+  // As Lightning's `_batches_that_stepped`: a batch that ends an accumulation window counts, and under manual
+  // optimization every batch (whether it stepped one optimizer, several or none). Loggers get the batch's values
+  // every log_every_n_steps of these; callbacks read it as logs_this_batch().
+  const bool steps = manual_optimization<Impl> || window.steps;
+  if (steps) {
+    ++progress_.batches_that_stepped;
+    progress_.batch_stepped = true;
+  }
+  const int64_t counted = progress_.batches_that_stepped;
   progress_.log_due = steps && (counted % options_.log_every_n_steps == 0 || progress_.should_stop);
   hook<detail::hooks::on_train_batch_end>(module, ctx, detached, batch, batch_idx);
   leave_batch();
@@ -340,6 +350,11 @@ void Trainer<S, P, A, Cs...>::resolve_fit_sizes(TL& train, VL* val) {
   num_val_batches_ = 0;
   if constexpr (!std::is_same_v<VL, NoLoader>) {
     num_val_batches_ = options_.limit_val_batches.resolve(detail::loader_size(*val), "limit_val_batches");
+    // A rank dealt no validation batch (fewer batches than ranks) still runs every validation, over none, so that the
+    // ranks' hooks and reductions stay together.
+    if (strategy_.world_size() > 1 && strategy_.host_max(num_val_batches_ != 0 ? 1 : 0) == 1 && num_val_batches_ == 0) {
+      num_val_batches_ = -1;
+    }
   }
   // Said once, at the start, as Lightning warns: an empty loader is rarely meant.
   if (strategy_.is_global_zero()) {

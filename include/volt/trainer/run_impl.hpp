@@ -197,7 +197,7 @@ void Trainer<S, P, A, Cs...>::send_to_loggers(detail::MetricMap& metrics) {
     if (metrics.empty()) return;
     auto values = detail::to_doubles(metrics);
     values["epoch"] = static_cast<double>(state_.current_epoch);
-    const int64_t step = std::max<int64_t>(state_.global_step - 1, 0);
+    const int64_t step = progress_.logging_step();
     detail::for_each_callback(callbacks_, [&](auto& c) {
       if constexpr (requires { c.on_log_metrics(*this, values, step); }) c.on_log_metrics(*this, values, step);
     });

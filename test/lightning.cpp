@@ -322,6 +322,82 @@ TEST_CASE("LearningRateMonitor at step interval: every log_every_n_steps, step i
   CHECK(t.callback<Rates>().seen == std::vector<Row>{{1, 1.0}, {3, 0.25}, {5, 0.0625}, {7, 0.015625}});
 }
 
+namespace {
+
+/// The validation hooks, with the loader and batch index of each batch.
+struct EvalEvents {
+  std::vector<std::string> seen;
+  template <class T, class M>
+  void on_validation_start(T& t, M&) { seen.push_back(t.sanity_checking() ? "start sanity" : "start"); }
+  template <class T, class M>
+  void on_validation_epoch_start(T&, M&) { seen.push_back("epoch_start"); }
+  template <class T, class M, class B>
+  void on_validation_batch_start(T& t, M&, const B&, int64_t i) {
+    seen.push_back("batch " + std::to_string(t.dataloader_idx()) + " " + std::to_string(i));
+  }
+  template <class T, class M>
+  void on_validation_epoch_end(T&, M&) { seen.push_back("epoch_end"); }
+  template <class T, class M>
+  void on_validation_end(T&, M&) { seen.push_back("end"); }
+};
+
+/// Validates on examples and tests on examples and on plain tensors (x = y); logs the mean squared error and the
+/// number of samples, and once at the epoch's end.
+struct SeveralImpl : LineImpl {
+  void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    ctx.log("val", (lin(b.data) - b.target).pow(2).mean());
+    ctx.log("n", static_cast<double>(b.data.size(0)), {.reduce = volt::Reduce::sum});
+    ctx.log("loader", static_cast<double>(ctx.dataloader_idx()), {.reduce = volt::Reduce::max});
+  }
+  void on_validation_epoch_end(volt::Context& ctx) { ctx.log("ends", 1.0); }
+  void test_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    ctx.log("test", (lin(b.data) - b.target).pow(2).mean());
+  }
+  void test_step(const torch::Tensor& x, volt::Context& ctx) { ctx.log("test", (lin(x) - x).pow(2).mean()); }
+};
+TORCH_MODULE(Several);
+
+/// The mean squared error of `m` on the samples x = y = first..last.
+double line_loss(LineImpl& m, int64_t first, int64_t last) {
+  torch::NoGradGuard g;
+  const auto x = torch::arange(first, last + 1, torch::kFloat32).unsqueeze(1);
+  return (m.lin(x) - x).pow(2).mean().item<double>();
+}
+
+}  // namespace
+
+TEST_CASE("several validation and test loaders: each in turn inside one run, values named by dataloader_idx, as "
+          "Lightning's", "[lightning]") {
+  Several m;
+  auto train = line_loader(2);
+  auto val_a = line_loader(3);
+  const auto x = torch::arange(4, torch::kFloat32).unsqueeze(1);
+  volt::data::TensorLoader val_b(x, x.clone(), {.batch_size = 2});
+  auto t = volt::make_trainer({.max_epochs = 1, .limit_val_batches = volt::Limit(int64_t{2}), .num_sanity_val_steps = 1},
+                              EvalEvents{});
+  const auto r = t.fit(m, train, volt::data::loaders(val_a, val_b));
+  // Lightning 2.5: the sanity check takes num_sanity_val_steps of each loader, a validation limit_val_batches of
+  // each; one epoch start and end around all of them.
+  CHECK(t.callback<EvalEvents>().seen ==
+        std::vector<std::string>{"start sanity", "epoch_start", "batch 0 0", "batch 1 0", "epoch_end", "end", "start",
+                                 "epoch_start", "batch 0 0", "batch 0 1", "batch 1 0", "batch 1 1", "epoch_end",
+                                 "end"});
+  // Loader 0: samples 0 and 1 (limit 2 of 3 batches of 1); loader 1: samples 0..3 (2 batches of 2).
+  CHECK(r.metrics.at("val/dataloader_idx_0") == Approx(line_loss(*m, 0, 1)).epsilon(1e-6));
+  CHECK(r.metrics.at("val/dataloader_idx_1") == Approx(line_loss(*m, 0, 3)).epsilon(1e-6));
+  CHECK(r.metrics.at("n/dataloader_idx_0") == 2.0);
+  CHECK(r.metrics.at("n/dataloader_idx_1") == 4.0);
+  CHECK(r.metrics.at("loader/dataloader_idx_1") == 1.0);
+  CHECK(r.metrics.at("ends") == 1.0);  // logged at the epoch's end: no loader's
+  CHECK(r.metrics.count("val") == 0);
+  // A standalone test over loaders of two batch types, each to its own test_step.
+  std::vector<torch::Tensor> plain{torch::arange(5, torch::kFloat32).unsqueeze(1)};
+  volt::Trainer<> tester;
+  const auto tested = tester.test(m, volt::data::loaders(val_a, plain));
+  CHECK(tested.at("test/dataloader_idx_0") == Approx(line_loss(*m, 0, 2)).epsilon(1e-6));
+  CHECK(tested.at("test/dataloader_idx_1") == Approx(line_loss(*m, 0, 4)).epsilon(1e-6));
+}
+
 #if VOLT_TEST_PNG
 #include "../examples/png.hpp"
 #include <volt/data/image_folder.hpp>

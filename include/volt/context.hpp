@@ -111,6 +111,8 @@ struct LoopState {
   const void* batch = nullptr;                        // the current batch, for batch-size inference
   int64_t (*batch_size_of)(const void*) = nullptr;  // typed by the loop that set `batch`; -1: cannot tell
   const std::type_info* batch_type = nullptr;        // for messages
+  int64_t dataloader_idx = 0;  // the loader of the running evaluation batch (several loaders: data::loaders)
+  int64_t dataloaders = 1;     // the loaders of the running evaluation run (1 outside one's batches)
   Collectives* collectives = nullptr;                // the strategy's, set when a run starts
   ManualOptimization* manual = nullptr;              // the fit's manual step, under manual optimization
 };
@@ -213,6 +215,8 @@ class Context {
   /// Optimizer steps taken so far (as Lightning's `global_step`).
   int64_t global_step() const { return state_->global_step; }
   int64_t batch_idx() const { return state_->batch_idx; }
+  /// Which of several evaluation loaders (`data::loaders`) the running batch comes from (0 with one loader).
+  int64_t dataloader_idx() const { return state_->dataloader_idx; }
   int global_rank() const { return state_->global_rank; }
   int world_size() const { return state_->world_size; }
   bool is_global_zero() const { return state_->global_rank == 0; }
@@ -327,7 +331,12 @@ class Context {
         }
       }
     }
-    store_->add(name, value, options, on_step, on_epoch, batch_size);
+    if (state_->dataloaders > 1 && options.add_dataloader_idx) {  // Lightning's name for a value of one of several
+      store_->add(std::string(name) + "/dataloader_idx_" + std::to_string(state_->dataloader_idx), value, options,
+                  on_step, on_epoch, batch_size);
+    } else {
+      store_->add(name, value, options, on_step, on_epoch, batch_size);
+    }
   }
   void log(std::string_view name, double value, const LogOptions& options = {}) {
     log(name, torch::scalar_tensor(value, torch::kFloat64), options);

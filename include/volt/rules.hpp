@@ -36,6 +36,7 @@
 #include "volt/accelerators/graphed.hpp"
 #include "volt/comm/concept.hpp"
 #include "volt/context.hpp"
+#include "volt/loops/evaluation.hpp"
 #include "volt/module.hpp"
 #include "volt/precision/concept.hpp"
 #include "volt/precision/fp32.hpp"
@@ -208,13 +209,14 @@ constexpr bool several_optimizers_automatic() {
   }
 }
 
-/// Whether the module has a validation_step for batches of type `ValBatch` (`void`: fit has no validation loader).
+/// Whether the module has a validation_step for batches of type `ValBatch` (`void`: fit has no validation loader;
+/// `Batches<B...>`: several loaders, one for each).
 template <class M, class ValBatch>
 constexpr bool validates_on() {
   if constexpr (std::is_void_v<ValBatch>) {
     return true;
   } else {
-    return requires(module_impl_t<M>& m, ValBatch& b, Context& c) { m.validation_step(b, c); };
+    return has_step<ValidationKind, module_impl_t<M>, ValBatch>;
   }
 }
 

@@ -102,7 +102,8 @@ class Trainer {
     requires(!std::convertible_to<ValLoader, std::string>)
   FitResult fit(M& module, TrainLoader&& train_loader, ValLoader&& val_loader = {}, std::string ckpt_path = {}) {
     constexpr bool has_val = !std::is_same_v<std::remove_cvref_t<ValLoader>, NoLoader>;
-    using ValBatch = typename std::conditional_t<has_val, detail::batch_of<ValLoader>, std::type_identity<void>>::type;
+    using ValBatch = typename std::conditional_t<has_val, detail::batch_of<std::remove_cvref_t<ValLoader>>,
+                                                 std::type_identity<void>>::type;
     if constexpr (!detail::CheckedFit<M, detail::batch_t<TrainLoader>, ValBatch, strategy_type>::ok) {
       return {};  // the broken rule has been said, alone
     } else {
@@ -148,6 +149,8 @@ class Trainer {
   /// `ckpt_path` as validate's; `predict(module, loader, "best")` also works.
   template <class M, class Loader>
   auto predict(M& module, Loader&& loader, bool return_predictions = true, const std::string& ckpt_path = {}) {
+    static_assert(!data::is_loaders_v<std::remove_cvref_t<Loader>>, "volt: predict takes one loader: call it once per "
+                  "loader (several loaders, data::loaders, are for validate and test).");
     using Batch = detail::batch_t<Loader>;
     static_assert(requires(module_impl_t<M>& m, Batch& b, Context& c) { m.predict_step(b, c); },
                   "volt: predict needs the module's predict_step(const Batch&, volt::Context&) returning a result "
@@ -175,6 +178,8 @@ class Trainer {
   int64_t global_step() const { return state_.global_step; }
   /// The batch index within the running loop.
   int64_t batch_idx() const { return state_.batch_idx; }
+  /// Which of several evaluation loaders (`data::loaders`) the running batch comes from (0 with one loader).
+  int64_t dataloader_idx() const { return state_.dataloader_idx; }
   /// The data set indices of the batch `predict` is at (undefined where its loader cannot tell).
   torch::Tensor batch_indices() const { return batch_indices_ ? batch_indices_(state_.batch_idx) : torch::Tensor(); }
   /// In on_train_batch_end: the batch stepped and its metrics go to loggers (every log_every_n_steps), so a monitor
@@ -303,10 +308,10 @@ class Trainer {
   bool train_batch(Impl& module, Context& ctx, Step& step, B& batch, int64_t batch_idx, bool is_last, VL* val);
 
   // ---- evaluation (trainer/evaluation_loop_impl.hpp) ----
-  template <class Kind, class Impl, class L, class Sink>
-  void eval_epoch(Impl& module, Context& ctx, L& loader, int64_t limit, Stage stage, Sink&& sink);
-  template <class Kind, class Impl, class L>
-  void run_eval_loop(Impl& module, L& loader, Stage stage, int64_t limit);
+  template <class Kind, class Impl, class L, class LimitOf, class Sink>
+  void eval_epoch(Impl& module, Context& ctx, L& loader, LimitOf&& limit_of, Stage stage, Sink&& sink);
+  template <class Kind, class Impl, class L, class LimitOf>
+  void run_eval_loop(Impl& module, L& loader, Stage stage, LimitOf&& limit_of);
   template <class Kind, class Impl, class L>
   std::map<std::string, double> run_standalone_eval(Impl& module, L& loader, Stage stage);
   template <class R, class Impl, class L>

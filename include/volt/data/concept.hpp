@@ -15,7 +15,10 @@
 ///
 /// A loader without a position is resumed by skipping the batches already trained on in that epoch.
 
+#include "volt/data/loaders.hpp"
+
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -93,7 +96,7 @@ namespace volt::detail {
 /// The loader itself, or what a pointer-like loader points to.
 template <class L>
 decltype(auto) deref_loader(L& loader) {
-  if constexpr (data::Loader<L>) {
+  if constexpr (data::Loader<L> || data::is_loaders_v<std::remove_cv_t<L>>) {
     return (loader);
   } else {
     static_assert(requires { (*loader).begin(); },
@@ -111,11 +114,25 @@ template <class L>
 struct batch_of {
   using type = batch_t<L>;
 };
+/// The batch types of several loaders (`data::Loaders`), in order.
+template <class... B>
+struct Batches {};
+template <class... L>
+struct batch_of<data::Loaders<L...>> {
+  using type = Batches<batch_t<L>...>;
+};
 
-/// Its number of batches, or -1 when it cannot tell.
+/// Its number of batches, or -1 when it cannot tell (several loaders: their sum, -1 when one cannot tell).
 template <class L>
 int64_t loader_size(L& loader) {
-  if constexpr (data::SizedLoader<L>) {
+  if constexpr (data::is_loaders_v<std::remove_cv_t<L>>) {
+    int64_t total = 0;
+    loader.for_each([&](auto& one, std::size_t) {
+      const int64_t n = loader_size(one);
+      total = total < 0 || n < 0 ? -1 : total + n;
+    });
+    return total;
+  } else if constexpr (data::SizedLoader<L>) {
     return static_cast<int64_t>(loader.size());
   } else {
     return -1;

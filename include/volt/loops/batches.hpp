@@ -1,14 +1,18 @@
 #pragma once
 /// \file
 /// How every loop walks a loader: `for_each_batch`, with a start (a resumed epoch), a limit and the knowledge of
-/// which batch is the last, read one batch ahead when the loader has no size; and `with_device_batch`, the batch a
-/// step sees.
+/// which batch is the last, read one batch ahead when the loader has no size; `with_device_batch`, the batch a
+/// step sees; and an evaluation run's loaders (several with `data::loaders`): their share, their limits.
 
 #include "volt/batch.hpp"
+#include "volt/context.hpp"
 #include "volt/data/concept.hpp"
+#include "volt/options.hpp"
 
 #include <c10/core/Device.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -65,6 +69,36 @@ decltype(auto) with_device_batch(B& batch, const c10::Device& device, F&& f) {
     return f(prepared);
   } else {
     return f(batch);
+  }
+}
+
+/// How many batches of one loader an evaluation run goes through: `limit` (limit_val_batches, ...) against its size,
+/// at most `cap` (the sanity check's num_sanity_val_steps; -1: no cap). -1: until the loader ends.
+inline auto limit_of(const Limit& limit, const char* name, int64_t cap = -1) {
+  return [&limit, name, cap](auto& loader) {
+    const int64_t n = limit.resolve(loader_size(loader), name);
+    return cap < 0 ? n : (n < 0 ? cap : std::min(n, cap));
+  };
+}
+
+/// The batches of an evaluation run over `loader` (several loaders: the sum; -1 when one cannot tell).
+template <class L, class LimitOf>
+int64_t eval_batches(L& loader, LimitOf&& limit) {
+  int64_t total = 0;
+  data::for_each_loader(loader, [&](auto& one, std::size_t, std::size_t) {
+    const int64_t n = limit(one);
+    total = total < 0 || n < 0 ? -1 : total + n;
+  });
+  return total;
+}
+
+/// What `strategy` makes of `loader` for `stage` (its share under DDP), of each of several loaders.
+template <class S, class L>
+decltype(auto) process_loader(S& strategy, L& loader, Stage stage) {
+  if constexpr (data::is_loaders_v<std::remove_cv_t<L>>) {
+    return loader.map([&](auto& one) -> decltype(auto) { return strategy.process_dataloader(one, stage); });
+  } else {
+    return strategy.process_dataloader(loader, stage);
   }
 }
 

@@ -5,6 +5,7 @@
 /// hooks, its values thrown away), test and predict with the set chosen here at compile time.
 
 #include "volt/context.hpp"
+#include "volt/data/concept.hpp"
 #include "volt/loops/hooks.hpp"
 
 namespace volt::detail {
@@ -56,5 +57,11 @@ struct PredictKind {
     return m.predict_step(b, ctx);
   }
 };
+
+/// Whether module `M` has the step of `Kind` for batches `B` (for `Batches<B...>`, several loaders': for each).
+template <class Kind, class M, class B>
+inline constexpr bool has_step = requires(M& m, B& b, Context& c) { Kind::step(m, b, c); };
+template <class Kind, class M, class... B>
+inline constexpr bool has_step<Kind, M, Batches<B...>> = (has_step<Kind, M, B> && ...);
 
 }  // namespace volt::detail

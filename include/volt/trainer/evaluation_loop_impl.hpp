@@ -32,25 +32,34 @@ class EvalGradGuard {
 
 }  // namespace detail
 
-/// One pass of an evaluation stage over `limit` batches, hooks included: start, epoch start, each batch (its
-/// start hook, the step, its end hook with the output `sink` keeps: the step's own, or predict's copy in its results), epoch end, the epoch
-/// values published (not in the sanity check: Lightning throws them away), end.
+/// One pass of an evaluation stage, hooks included: start, epoch start, then each loader's batches in turn (several
+/// loaders: `data::loaders`), at most `limit_of(loader)` of each (each batch: its start hook, the step, its end hook
+/// with the output `sink` keeps: the step's own, or predict's copy in its results), epoch end, the epoch values
+/// published (not in the sanity check: Lightning throws them away), end.
 template <class S, class P, class A, class... Cs>
-template <class Kind, class Impl, class L, class Sink>
-void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, int64_t limit, Stage stage, Sink&& sink) {
+template <class Kind, class Impl, class L, class LimitOf, class Sink>
+void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, LimitOf&& limit_of, Stage stage,
+                                         Sink&& sink) {
   hook<typename Kind::start>(module, ctx);
   hook<typename Kind::epoch_start>(module, ctx);
-  detail::for_each_batch(loader, limit, [&](auto&& batch, int64_t idx, bool) {
-    enter_batch(batch, idx);
-    hook<typename Kind::batch_start>(module, ctx, batch, idx);
-    auto out = run_eval_step(batch, [&](auto& b) {
-      return detail::run_module_step(state_, Kind::step_name, [&] { return Kind::step(module, b, ctx); });
+  data::for_each_loader(loader, [&](auto& one, std::size_t loader_idx, std::size_t loaders) {
+    state_.dataloader_idx = static_cast<int64_t>(loader_idx);
+    state_.dataloaders = static_cast<int64_t>(loaders);
+    num_eval_batches_ = limit_of(one);
+    detail::for_each_batch(one, num_eval_batches_, [&](auto&& batch, int64_t idx, bool) {
+      enter_batch(batch, idx);
+      hook<typename Kind::batch_start>(module, ctx, batch, idx);
+      auto out = run_eval_step(batch, [&](auto& b) {
+        return detail::run_module_step(state_, Kind::step_name, [&] { return Kind::step(module, b, ctx); });
+      });
+      decltype(auto) kept = sink(out);
+      hook<typename Kind::batch_end>(module, ctx, kept, batch, idx);
+      leave_batch();
+      return true;
     });
-    decltype(auto) kept = sink(out);
-    hook<typename Kind::batch_end>(module, ctx, kept, batch, idx);
-    leave_batch();
-    return true;
   });
+  state_.dataloader_idx = 0;  // the epoch's end hooks log under plain names, as Lightning's
+  state_.dataloaders = 1;
   hook<typename Kind::epoch_end>(module, ctx);
   if constexpr (Kind::publishes) {
     if (stage != Stage::sanity_check) {
@@ -66,18 +75,17 @@ void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, 
 /// Validation (or the sanity check) inside a fit, or a standalone validate/test: the module in eval mode
 /// without gradients, fresh metric values, the stage set for Contexts and callbacks.
 template <class S, class P, class A, class... Cs>
-template <class Kind, class Impl, class L>
-void Trainer<S, P, A, Cs...>::run_eval_loop(Impl& module, L& loader, Stage stage, int64_t limit) {
+template <class Kind, class Impl, class L, class LimitOf>
+void Trainer<S, P, A, Cs...>::run_eval_loop(Impl& module, L& loader, Stage stage, LimitOf&& limit_of) {
   const Stage previous = state_.stage;
   state_.stage = stage;
   eval_store_.clear();
-  num_eval_batches_ = limit;
   Context ctx(state_, eval_store_);
   const bool was_training = module.is_training();
   module.eval();
   {
     detail::EvalGradGuard no_grad(options_.inference_mode);
-    eval_epoch<Kind>(module, ctx, loader, limit, stage, [](auto& out) -> auto& { return out; });
+    eval_epoch<Kind>(module, ctx, loader, limit_of, stage, [](auto& out) -> auto& { return out; });
   }
   if (was_training) module.train();
   state_.stage = previous;
@@ -87,9 +95,9 @@ void Trainer<S, P, A, Cs...>::run_eval_loop(Impl& module, L& loader, Stage stage
 template <class S, class P, class A, class... Cs>
 template <class M, class Loader>
 std::map<std::string, double> Trainer<S, P, A, Cs...>::validate(M& module, Loader&& loader, const std::string& ckpt_path) {
-  static_assert(requires(module_impl_t<M>& m, detail::batch_t<Loader>& b, Context& c) { m.validation_step(b, c); },
+  static_assert(detail::has_step<detail::ValidationKind, module_impl_t<M>, typename detail::batch_of<std::remove_cvref_t<Loader>>::type>,
                 "volt: validate needs the module's validation_step(const Batch&, volt::Context&) for this "
-                "loader's batches.");
+                "loader's batches (for each loader's, given several).");
   return strategy_.launch([&] {
     load_for_evaluation(detail::unwrap(module), ckpt_path, "validate");
     return run_standalone_eval<detail::ValidationKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::validate);
@@ -100,8 +108,9 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::validate(M& module, Loade
 template <class S, class P, class A, class... Cs>
 template <class M, class Loader>
 std::map<std::string, double> Trainer<S, P, A, Cs...>::test(M& module, Loader&& loader, const std::string& ckpt_path) {
-  static_assert(requires(module_impl_t<M>& m, detail::batch_t<Loader>& b, Context& c) { m.test_step(b, c); },
-                "volt: test needs the module's test_step(const Batch&, volt::Context&) for this loader's batches.");
+  static_assert(detail::has_step<detail::TestKind, module_impl_t<M>, typename detail::batch_of<std::remove_cvref_t<Loader>>::type>,
+                "volt: test needs the module's test_step(const Batch&, volt::Context&) for this loader's batches (for "
+                "each loader's, given several).");
   return strategy_.launch([&] {
     load_for_evaluation(detail::unwrap(module), ckpt_path, "test");
     return run_standalone_eval<detail::TestKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::test);
@@ -115,14 +124,14 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl&
   reset_state_keeping_progress();
   logger_.clear();
   setup_run(module);
-  decltype(auto) processed = strategy_.process_dataloader(loader, stage);
-  const Limit& limit = stage == Stage::test ? options_.limit_test_batches : options_.limit_val_batches;
-  const int64_t n = limit.resolve(detail::loader_size(processed), stage == Stage::test ? "limit_test_batches"
-                                                                                        : "limit_val_batches");
+  decltype(auto) processed = detail::process_loader(strategy_, loader, stage);
+  const bool test = stage == Stage::test;
   Context ctx(state_, eval_store_);
   guarded(module, [&] {
     hook<detail::hooks::setup>(module, ctx, stage);
-    run_eval_loop<Kind>(module, processed, stage, n);
+    run_eval_loop<Kind>(module, processed, stage,
+                        detail::limit_of(test ? options_.limit_test_batches : options_.limit_val_batches,
+                                         test ? "limit_test_batches" : "limit_val_batches"));
     hook<detail::hooks::teardown>(module, ctx, stage);
   }, [](std::exception_ptr) {});
   return callback_metric_values();
@@ -155,7 +164,7 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, boo
   guarded(module, [&] {
     detail::EvalGradGuard no_grad(options_.inference_mode);
     hook<detail::hooks::setup>(module, ctx, Stage::predict);
-    eval_epoch<detail::PredictKind>(module, ctx, processed, n, Stage::predict, [&](R& out) -> R& {
+    eval_epoch<detail::PredictKind>(module, ctx, processed, [n](auto&) { return n; }, Stage::predict, [&](R& out) -> R& {
       if (!keep) return out;
       results.push_back(std::move(out));
       return results.back();

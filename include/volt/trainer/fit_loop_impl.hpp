@@ -42,7 +42,12 @@ template <class L>
 class ShuffleOff {
  public:
   ShuffleOff(L& loader, bool overfits, bool says, const char* which) {
-    if constexpr (requires { loader.set_shuffle(false); loader.options().shuffle; }) {
+    if constexpr (data::is_loaders_v<L>) {
+      if (overfits && says) {
+        std::cerr << "volt: overfit_batches: several " << which << " loaders each keep their own order; if one "
+                  << "shuffles, turn its shuffling off so that every epoch sees the same batches.\n";
+      }
+    } else if constexpr (requires { loader.set_shuffle(false); loader.options().shuffle; }) {
       if (!overfits || !loader.options().shuffle) return;
       loader_ = &loader;
       loader.set_shuffle(false);
@@ -134,7 +139,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
       fit_loop(module, ctx, train_loader, processed_val, std::move(resume));
     };
     if constexpr (!std::is_same_v<VL, NoLoader>) {
-      decltype(auto) val_loader = strategy_.process_dataloader(*val, Stage::validate);
+      decltype(auto) val_loader = detail::process_loader(strategy_, *val, Stage::validate);
       detail::ShuffleOff<std::remove_reference_t<decltype(val_loader)>> val_order(
           val_loader, overfits(), strategy_.is_global_zero(), "validation");
       go(&val_loader);
@@ -171,14 +176,12 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
   hook<detail::hooks::on_fit_start>(module, ctx);
 
   if constexpr (!std::is_same_v<VL, NoLoader>) {
-    if (num_val_batches_ != 0 && options_.num_sanity_val_steps != 0) {
-      const int64_t n = options_.num_sanity_val_steps < 0
-                            ? num_val_batches_
-                            : (num_val_batches_ < 0 ? options_.num_sanity_val_steps
-                                                    : std::min(options_.num_sanity_val_steps, num_val_batches_));
+    if (num_val_batches_ != 0 && options_.num_sanity_val_steps != 0) {  // num_sanity_val_steps of each loader
       state_.stage = Stage::sanity_check;
       detail::call_callbacks<detail::hooks::on_sanity_check_start>(callbacks_, *this, module);
-      run_eval_loop<detail::ValidationKind>(module, *val, Stage::sanity_check, n);
+      run_eval_loop<detail::ValidationKind>(
+          module, *val, Stage::sanity_check,
+          detail::limit_of(options_.limit_val_batches, "limit_val_batches", options_.num_sanity_val_steps));
       detail::call_callbacks<detail::hooks::on_sanity_check_end>(callbacks_, *this, module);
       state_.stage = Stage::train;
     }
@@ -349,7 +352,7 @@ void Trainer<S, P, A, Cs...>::resolve_fit_sizes(TL& train, VL* val) {
   }
   num_val_batches_ = 0;
   if constexpr (!std::is_same_v<VL, NoLoader>) {
-    num_val_batches_ = options_.limit_val_batches.resolve(detail::loader_size(*val), "limit_val_batches");
+    num_val_batches_ = detail::eval_batches(*val, detail::limit_of(options_.limit_val_batches, "limit_val_batches"));
     // A rank dealt no validation batch (fewer batches than ranks) still runs every validation, over none, so that the
     // ranks' hooks and reductions stay together.
     if (strategy_.world_size() > 1 && strategy_.host_max(num_val_batches_ != 0 ? 1 : 0) == 1 && num_val_batches_ == 0) {
@@ -437,7 +440,8 @@ template <class S, class P, class A, class... Cs>
 template <class Impl, class VL>
 void Trainer<S, P, A, Cs...>::run_validation(Impl& module, VL* val) {
   if constexpr (!std::is_same_v<VL, NoLoader>) {
-    run_eval_loop<detail::ValidationKind>(module, *val, Stage::validate, num_val_batches_);
+    run_eval_loop<detail::ValidationKind>(module, *val, Stage::validate,
+                                          detail::limit_of(options_.limit_val_batches, "limit_val_batches"));
     progress_.validated = true;
     module.train();
     state_.stage = Stage::train;

@@ -763,7 +763,10 @@ struct MetricNetImpl : torch::nn::Module {
     ctx.log("val_count", static_cast<double>(batch.data.size(0)), sum);
     ctx.log("val_mean", batch.data.mean(), {.sync_dist = true});
     ctx.log("val_max", batch.data.max(), {.reduce = volt::Reduce::max, .sync_dist = true});
+    ctx.log("val_local", batch.data.sum(), {.reduce = volt::Reduce::sum});  // without sync_dist: rank 0's alone
+    if (mixed) ctx.log("mixed", 1.0, {.sync_dist = ctx.global_rank() == 0});
   }
+  bool mixed = false;  // log "mixed" with sync_dist on rank 0 and without on the others: an error on every rank
   void on_train_epoch_end(volt::Context& ctx) {
     auto t = torch::full({2}, static_cast<double>(ctx.global_rank() + 1));
     ctx.broadcast_(t, 1);
@@ -782,10 +785,14 @@ int metrics_scenario() {
   MetricNet net;
   // EarlyStopping on the rank-local "stop_signal": rank 1 would stop at once (mode max, threshold), rank 0
   // never; the decision is reduced, so both stop after epoch 0 together instead of deadlocking.
+  // A ModelCheckpoint monitors "val_local", logged without sync_dist by the one rank with a validation batch: the other
+  // shows that rank's value, so both take the decision to save together.
+  const auto ckpt_dir = std::filesystem::temp_directory_path() / ("volt_dist_metrics_" + std::to_string(::getppid()));
   auto trainer = volt::make_trainer<volt::DDP<volt::Script>>(
       {.devices = g_world, .max_epochs = 5},
       volt::EarlyStopping({.monitor = "stop_signal", .mode = volt::Mode::max, .stopping_threshold = 0.5,
-                           .check_on_train_epoch_end = true}));
+                           .check_on_train_epoch_end = true}),
+      volt::ModelCheckpoint({.dirpath = ckpt_dir.string(), .monitor = "val_local", .mode = volt::Mode::max}));
   volt::data::TensorLoader loader(x, y, {.batch_size = 2});
   // One validation batch of 3 samples (1, 2, 3) for 2 ranks: rank 1 gets none, and takes part with empty sums, as
   // Lightning runs such a loader; the values are the one batch's: sum 6, count 3, mean 2, max 3.
@@ -797,12 +804,30 @@ int metrics_scenario() {
               std::to_string(m.at("val_sum")) + ", count " + std::to_string(m.at("val_count")) + ", mean " +
               std::to_string(m.at("val_mean")) + ", max " + std::to_string(m.at("val_max")) + ")");
   }
+  check(result.metrics.at("val_local") == 6.0, "the value logged without sync_dist by rank 0 alone, on every rank (" +
+                                                  std::to_string(result.metrics.at("val_local")) + ")");
+  trainer.strategy().barrier();
+  if (trainer.is_global_zero()) {
+    check(std::filesystem::exists(ckpt_dir / "epoch=0-step=4.ckpt"), "ModelCheckpoint saved on val_local");
+    std::filesystem::remove_all(ckpt_dir);
+  }
   check(trainer.current_epoch() == 1, "every rank stops after epoch 0 (current_epoch " + std::to_string(trainer.current_epoch()) + ")");
   check(result.metrics.at("rank_mean") == 0.5, "sync_dist mean of ranks 0 and 1 is 0.5");
   check(result.metrics.at("rank_sum") == 4.0, "sync_dist sum: rank 1 logs 1 in each of its 4 batches, rank 0 logs 0");
   check(result.metrics.at("rank_max") == 1.0, "sync_dist max of step values");
   check(result.metrics.at("rank_local") == trainer.strategy().global_rank(), "without sync_dist the value stays local");
   return failures == 0 ? 0 : 1;
+}
+
+/// A name logged with sync_dist on rank 0 and without on rank 1 (a validation batch for each): every rank refuses it
+/// at the epoch's end with the same message (expect-failure checks it), none waits for a reduction the other skips.
+int metrics_mixed_scenario() {
+  MetricNet net;
+  net->mixed = true;
+  volt::Trainer<volt::DDP<volt::Script>> trainer({.devices = g_world});
+  trainer.validate(net, volt::data::TensorLoader(torch::ones({4, 1}), torch::zeros({4, 1}), {.batch_size = 2}));
+  std::cerr << "validate returned although the ranks logged \"mixed\" two ways" << std::endl;
+  return 3;
 }
 
 /// Rank `fail_rank` fails at step `fail_step`, as `how` says: "throw" (an exception), "die" (SIGKILL to itself, as a
@@ -1057,6 +1082,8 @@ const Mode kModes[] = {
     {"zero-unfreeze", ": ZeRO<2> on 2 ranks whose module unfreezes a layer during the fit (refused)",
      [](const std::vector<std::string>&) { return zero_unfreeze_scenario(); }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
+    {"metrics-mixed", ": a name logged with sync_dist on one rank and without on another is refused",
+     [](const std::vector<std::string>&) { return metrics_mixed_scenario(); }},
     {"max-time", ": max_time on 2 ranks stepping at different speeds: both stop after the same batch",
      [](const std::vector<std::string>&) { return max_time_scenario(); }},
     {"gpu-ddp", "<script|spawn>: DDP over NCCL at world size 1 against SingleDevice on the GPU",

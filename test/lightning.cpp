@@ -429,3 +429,54 @@ TEST_CASE("ImageFolder refuses empty class folders as torchvision does, takes .P
   fs::remove_all(root);
 }
 #endif
+
+TEST_CASE("after a resume inside an epoch: no sanity check, and the pending validation logs at the step it had",
+          "[lightning]") {
+  const auto dir = scratch("lightning_resume_val");
+  auto train = line_loader(4), val = line_loader(2);
+  {  // the uninterrupted fit
+    Line m;
+    auto t = volt::make_trainer(
+        {.max_epochs = 1, .val_check_interval = volt::Limit(int64_t{2}), .num_sanity_val_steps = 0,
+         .log_every_n_steps = 1},
+        LogSteps{});
+    t.fit(m, train, val);
+    // Uninterrupted: validations after batches 1 and 3, at the batches that stepped before each (1 and 3).
+    using Row = std::pair<int64_t, std::string>;
+    CHECK(t.callback<LogSteps>().rows ==
+          std::vector<Row>{{0, "loss"}, {1, "loss"}, {1, "val"}, {2, "loss"}, {3, "loss"}, {3, "val"}});
+  }
+  {  // stopped by max_steps after batch 1: last.ckpt of step 2, written before that batch's validation ran
+    Line first;
+    auto a = volt::make_trainer({.max_epochs = 1, .max_steps = 2, .val_check_interval = volt::Limit(int64_t{2}),
+                                 .num_sanity_val_steps = 0},
+                                volt::ModelCheckpoint({.dirpath = (dir / "two").string(), .save_top_k = 0,
+                                                       .save_last = true, .every_n_train_steps = 2}));
+    a.fit(first, train, val);
+  }
+  Line m;
+  std::vector<std::string> log;
+  auto t = volt::make_trainer({.max_epochs = 1, .val_check_interval = volt::Limit(int64_t{2}), .log_every_n_steps = 1},
+                              vt::Recorder{&log}, LogSteps{});
+  t.fit(m, train, val, (dir / "two" / "last.ckpt").string());
+  // Lightning's loops are restarting inside the epoch: no sanity check; the pending validation at step 1, as above.
+  CHECK(t.callback<vt::Recorder>().sanity_batches == 0);
+  using Row = std::pair<int64_t, std::string>;
+  CHECK(t.callback<LogSteps>().rows == std::vector<Row>{{1, "val"}, {2, "loss"}, {3, "loss"}, {3, "val"}});
+  SECTION("after an epoch-end checkpoint the sanity check runs, as for a fresh epoch") {
+    Line e;
+    auto one = volt::make_trainer({.max_epochs = 1, .num_sanity_val_steps = 0},
+                                  volt::ModelCheckpoint({.dirpath = (dir / "end").string(), .save_last = true}));
+    one.fit(e, train, val);
+    std::vector<std::string> log2;
+    auto two = volt::make_trainer({.max_epochs = 2}, vt::Recorder{&log2});
+    two.fit(e, train, val, (dir / "end" / "last.ckpt").string());
+    CHECK(two.callback<vt::Recorder>().sanity_batches == 2);
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a fraction of an empty loader (a rank dealt no batch) is no batch, not an error", "[lightning]") {
+  CHECK(volt::Limit(0.5).resolve(0, "limit_val_batches") == 0);
+  CHECK_THROWS_WITH(volt::Limit(0.5).resolve(1, "limit_val_batches"), Contains("less than one batch"));
+}

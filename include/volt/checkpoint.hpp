@@ -11,7 +11,7 @@
 /// | `optimizer_states` | per optimizer (in configure_optimizers' order), its LibTorch archive as a uint8 tensor |
 /// | `lr_schedulers` | per scheduler, `{"step_count": n, "optimizer": index of its optimizer}` |
 /// | `precision` | the precision's state (Fp16Mixed: the loss scaler's `scale`, `_growth_tracker`, ...) |
-/// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size`, `optimizer_steps` (each optimizer's steps), `batches_that_stepped` |
+/// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size`, `optimizer_steps` (each optimizer's steps), `batches_that_stepped`, `time_elapsed`, `batch_stepped` |
 /// | `loaders` | `{"train": position}` (data/concept.hpp's LoaderState) when the training loader keeps one |
 /// | `metrics` | every rank's running metric sums of the training epoch (a list per rank, in rank order), so epoch values stay whole across a resume on any number of ranks |
 /// | `rng` | `cpu` (and `cuda`): every rank's generator state, in rank order |

@@ -62,6 +62,7 @@ struct Collectives {
   /// Every rank's bytes, in rank order, on every rank (which names each rank logged with sync_dist).
   virtual std::vector<std::string> host_all_gather(const std::string& bytes) = 0;
   virtual int world_size() const = 0;
+  virtual int global_rank() const = 0;
 };
 
 /// Collectives of a strategy `S` (every strategy has them: strategies/concept.hpp).
@@ -75,6 +76,7 @@ class StrategyCollectives final : public Collectives {
   void barrier() override { s_->barrier(); }
   std::vector<std::string> host_all_gather(const std::string& bytes) override { return s_->host_all_gather(bytes); }
   int world_size() const override { return s_->world_size(); }
+  int global_rank() const override { return s_->global_rank(); }
 
  private:
   S* s_;

@@ -58,7 +58,7 @@ class Limit {
   /// only the full fraction 1.0 and counts can work with). Returns -1 for "until the loader ends".
   int64_t resolve(int64_t available, std::string_view name) const {
     if (!is_fraction_) return available < 0 ? count_ : std::min(count_, available);
-    if (fraction_ == 1.0) return available;
+    if (fraction_ == 1.0 || available == 0) return available;  // an empty loader (a rank dealt none): no batch
     if (available < 0) {
       std::ostringstream s;
       s << "volt: " << name << "=" << fraction_ << " is a fraction of the loader, but this loader has no size(). "

@@ -158,8 +158,7 @@ class Trainer {
     using R = std::remove_cvref_t<decltype(std::declval<module_impl_t<M>&>().predict_step(
         std::declval<Batch&>(), std::declval<Context&>()))>;
     return strategy_.launch([&] {
-      load_for_evaluation(detail::unwrap(module), ckpt_path, "predict");
-      return run_predict<R>(detail::unwrap(module), detail::deref_loader(loader), return_predictions);
+      return run_predict<R>(detail::unwrap(module), detail::deref_loader(loader), return_predictions, ckpt_path);
     });
   }
   template <class M, class Loader, class Path>
@@ -199,7 +198,7 @@ class Trainer {
   int64_t max_steps() const { return options_.max_steps; }
   /// Training batches per epoch (-1: until the loader ends).
   int64_t num_training_batches() const { return num_training_batches_; }
-  /// Batches of the running (or last) evaluation run (-1: until the loader ends).
+  /// Batches of the running (or last) evaluation loader's run (of the running one of several; -1: until it ends).
   int64_t num_eval_batches() const { return num_eval_batches_; }
   /// Whether fast_dev_run's short run is in effect (callbacks that write files skip it).
   bool fast_dev_run() const { return options_.fast_dev_run > 0; }
@@ -313,9 +312,9 @@ class Trainer {
   template <class Kind, class Impl, class L, class LimitOf>
   void run_eval_loop(Impl& module, L& loader, Stage stage, LimitOf&& limit_of);
   template <class Kind, class Impl, class L>
-  std::map<std::string, double> run_standalone_eval(Impl& module, L& loader, Stage stage);
+  std::map<std::string, double> run_standalone_eval(Impl& module, L& loader, Stage stage, const std::string& ckpt_path);
   template <class R, class Impl, class L>
-  std::vector<R> run_predict(Impl& module, L& loader, bool keep);
+  std::vector<R> run_predict(Impl& module, L& loader, bool keep, const std::string& ckpt_path);
 
   // ---- checkpoints (trainer/checkpoint_impl.hpp) ----
   at::Tensor gather_ranks(const at::Tensor& t);
@@ -356,7 +355,7 @@ class Trainer {
   int64_t max_epochs_ = 1000;  // max_epochs in effect (-1: until max_steps)
   int64_t num_training_batches_ = -1;  // training batches per epoch (-1: until the loader ends)
   int64_t num_val_batches_ = 0;  // validation batches per run (-1: until the loader ends; 0: no validation)
-  int64_t num_eval_batches_ = 0;  // batches of the running (or last) evaluation run
+  int64_t num_eval_batches_ = 0;  // batches of the running (or last) evaluation loader's run
   std::function<torch::Tensor(int64_t)> batch_indices_;  // set while predict runs
   int64_t val_check_batch_ = -1;  // training batches between validations (-1: at the epoch's end)
   /// Batch counters, where the loop stands inside an epoch, and the stop request.

@@ -46,7 +46,10 @@ namespace volt {
 /// A monitored name that is missing is a warning until the fit's first validation has run (a step-based
 /// save can come before it), and an error after.
 /// `trainer.fit(module, train, val, "last")` resumes from the newest checkpoint it wrote (a fresh start
-/// when there is none yet), `"best"` from its best.
+/// when there is none yet), `"best"` from its best; `validate`, `test` and `predict` take the same names.
+/// A Trainer writes checkpoints through the ModelCheckpoint in its callbacks only (a stop signal's aside): Lightning's
+/// `enable_checkpointing=True` adds one unasked, volt does not, since the callbacks are the Trainer's type, chosen
+/// where it is declared (README, "Where volt departs from Lightning").
 class ModelCheckpoint {
  public:
   using Mode = volt::Mode;
@@ -146,14 +149,12 @@ class ModelCheckpoint {
   /// `last.ckpt` at every epoch's end (or validation's end), whatever every_n_epochs says, as Lightning.
   template <class T, class M>
   void on_train_epoch_end(T& trainer, M&) {
-    if (skip(trainer) || !saves_on_train_epoch_end(trainer)) return;
-    save(trainer, every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0);
+    if (!skip(trainer) && saves_on_train_epoch_end(trainer)) save_at_epoch_end(trainer);
   }
 
   template <class T, class M>
   void on_validation_end(T& trainer, M&) {
-    if (skip(trainer) || saves_on_train_epoch_end(trainer)) return;
-    save(trainer, every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0);
+    if (!skip(trainer) && !saves_on_train_epoch_end(trainer)) save_at_epoch_end(trainer);
   }
 
   /// `last.ckpt` at the fit's end when the fit trained past its newest save (max_steps inside an epoch whose
@@ -389,6 +390,13 @@ class ModelCheckpoint {
           return best_k_.count(p) > 0 || p == best_model_path_ || p == last_model_path_ || resumed_from(trainer, p);
         });
     return trainer.strategy().host_all_gather(path)[0];
+  }
+
+  /// At an epoch's (or its validation's) end: the top k every every_n_epochs epochs, `last.ckpt` every time.
+  template <class T>
+  void save_at_epoch_end(T& trainer) {
+    const bool top_k = every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0;
+    if (top_k || options_.save_last) save(trainer, top_k);
   }
 
   /// A save: the top k (or the latest) when `top_k`, and `last.ckpt` when save_last.

@@ -30,6 +30,7 @@ inline constexpr const char* world_size = "world_size";
 inline constexpr const char* optimizer_steps = "optimizer_steps";
 inline constexpr const char* batches_that_stepped = "batches_that_stepped";
 inline constexpr const char* time_elapsed = "time_elapsed";
+inline constexpr const char* batch_stepped = "batch_stepped";
 }  // namespace loop_keys
 
 /// Where a checkpoint's fit stood: what `FitProgress::state_dict` wrote, read back and checked.
@@ -54,6 +55,8 @@ struct ResumePoint {
   int64_t batches_that_stepped = 0;
   /// Seconds of training before the save, across the fits it resumed from (max_time; 0 in files without it).
   double time_elapsed = 0.0;
+  /// The save came during a batch that counted in batches_that_stepped (its pending validation logs one step back).
+  bool batch_stepped = false;
   /// Filled by the checkpoint connector: this rank's generator states at the save, and whether the training
   /// loader took up its saved position (otherwise `batch_in_epoch` batches are skipped).
   std::vector<at::Tensor> rng;
@@ -74,6 +77,7 @@ struct ResumePoint {
     r.batches_that_stepped =
         loops.has(loop_keys::batches_that_stepped) ? i(loop_keys::batches_that_stepped) : r.global_step;
     if (loops.has(loop_keys::time_elapsed)) r.time_elapsed = loops.at(loop_keys::time_elapsed).toDouble();
+    r.batch_stepped = loops.has(loop_keys::batch_stepped) && b(loop_keys::batch_stepped);
     if (loops.has(loop_keys::optimizer_steps)) {
       for (const auto& n : loops.at(loop_keys::optimizer_steps).toListRef()) {
         r.optimizer_steps.push_back(n.toInt());
@@ -91,7 +95,8 @@ struct FitProgress {
   int64_t total_batch_idx = 0;
   /// Training batches after which an optimizer stepped (loggers count these, as Lightning's `_batches_that_stepped`).
   int64_t batches_that_stepped = 0;
-  /// The running training batch counted in `batches_that_stepped` (it ended an accumulation window).
+  /// The running training batch counted in `batches_that_stepped` (it ended an accumulation window); also while a
+  /// resumed fit runs the validation pending after such a batch.
   bool batch_stepped = false;
   /// The running training batch stepped and is one whose metrics go to loggers (every log_every_n_steps).
   bool log_due = false;
@@ -124,7 +129,7 @@ struct FitProgress {
   /// training batch, the batches that stepped before it (a validation inside an accumulation window: all of them so
   /// far); at a training epoch's end, its last stepping batch's; anywhere else (validate, test), all of them.
   int64_t logging_step() const {
-    if ((in_train_batch && batch_stepped) || in_epoch_end) return std::max<int64_t>(batches_that_stepped - 1, 0);
+    if (batch_stepped || in_epoch_end) return std::max<int64_t>(batches_that_stepped - 1, 0);
     return batches_that_stepped;
   }
 
@@ -161,6 +166,7 @@ struct FitProgress {
     d.insert(loop_keys::optimizer_steps, c10::List<int64_t>(optimizer_steps));
     d.insert(loop_keys::batches_that_stepped, batches_that_stepped);
     d.insert(loop_keys::time_elapsed, time_elapsed());
+    d.insert(loop_keys::batch_stepped, batch_stepped);
     return d;
   }
 

@@ -118,7 +118,8 @@ std::string Trainer<S, P, A, Cs...>::resolve_ckpt_path(const std::string& path, 
 
 /// validate/test/predict's `ckpt_path`, as Lightning's `restore_model`: the file read and its weights checked against
 /// the module (nothing changes when they do not fit), the module's on_load_checkpoint given the file, then the weights
-/// copied in. Optimizers, loops and callbacks are not taken (they are a fit's).
+/// copied in. Optimizers and loops are not taken (they are a fit's), nor callbacks' states, which Lightning restores
+/// too (a ModelCheckpoint's bookkeeping belongs to the fits that write its folder).
 template <class S, class P, class A, class... Cs>
 template <class Impl>
 void Trainer<S, P, A, Cs...>::load_for_evaluation(Impl& module, const std::string& ckpt_path, const char* run) {

@@ -99,8 +99,8 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::validate(M& module, Loade
                 "volt: validate needs the module's validation_step(const Batch&, volt::Context&) for this "
                 "loader's batches (for each loader's, given several).");
   return strategy_.launch([&] {
-    load_for_evaluation(detail::unwrap(module), ckpt_path, "validate");
-    return run_standalone_eval<detail::ValidationKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::validate);
+    return run_standalone_eval<detail::ValidationKind>(detail::unwrap(module), detail::deref_loader(loader),
+                                                       Stage::validate, ckpt_path);
   });
 }
 
@@ -112,15 +112,16 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::test(M& module, Loader&& 
                 "volt: test needs the module's test_step(const Batch&, volt::Context&) for this loader's batches (for "
                 "each loader's, given several).");
   return strategy_.launch([&] {
-    load_for_evaluation(detail::unwrap(module), ckpt_path, "test");
-    return run_standalone_eval<detail::TestKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::test);
+    return run_standalone_eval<detail::TestKind>(detail::unwrap(module), detail::deref_loader(loader), Stage::test,
+                                                 ckpt_path);
   });
 }
 
 /// `validate` and `test`: a run of its own around one evaluation loop; returns the callback metrics.
 template <class S, class P, class A, class... Cs>
 template <class Kind, class Impl, class L>
-std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl& module, L& loader, Stage stage) {
+std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl& module, L& loader, Stage stage,
+                                                                           const std::string& ckpt_path) {
   reset_state_keeping_progress();
   logger_.clear();
   setup_run(module);
@@ -129,6 +130,7 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl&
   Context ctx(state_, eval_store_);
   guarded(module, [&] {
     hook<detail::hooks::setup>(module, ctx, stage);
+    load_for_evaluation(module, ckpt_path, to_string(stage));  // after setup, as Lightning restores
     run_eval_loop<Kind>(module, processed, stage,
                         detail::limit_of(test ? options_.limit_test_batches : options_.limit_val_batches,
                                          test ? "limit_test_batches" : "limit_val_batches"));
@@ -141,7 +143,7 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl&
 /// rank's results gathered back into the loader's order.
 template <class S, class P, class A, class... Cs>
 template <class R, class Impl, class L>
-std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, bool keep) {
+std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, bool keep, const std::string& ckpt_path) {
   reset_state_keeping_progress();
   setup_run(module);
   state_.stage = Stage::predict;
@@ -164,6 +166,7 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, boo
   guarded(module, [&] {
     detail::EvalGradGuard no_grad(options_.inference_mode);
     hook<detail::hooks::setup>(module, ctx, Stage::predict);
+    load_for_evaluation(module, ckpt_path, "predict");
     eval_epoch<detail::PredictKind>(module, ctx, processed, [n](auto&) { return n; }, Stage::predict, [&](R& out) -> R& {
       if (!keep) return out;
       results.push_back(std::move(out));

@@ -176,7 +176,10 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
   hook<detail::hooks::on_fit_start>(module, ctx);
 
   if constexpr (!std::is_same_v<VL, NoLoader>) {
-    if (num_val_batches_ != 0 && options_.num_sanity_val_steps != 0) {  // num_sanity_val_steps of each loader
+    // num_sanity_val_steps of each loader; not when resuming inside an epoch (Lightning's loops are "restarting"
+    // then: the check would disturb the state loaded), but after an epoch-end checkpoint, as a fresh epoch.
+    const bool mid_epoch = resume && !resume->epoch_finished && resume->batch_in_epoch > 0;
+    if (num_val_batches_ != 0 && options_.num_sanity_val_steps != 0 && !mid_epoch) {
       state_.stage = Stage::sanity_check;
       detail::call_callbacks<detail::hooks::on_sanity_check_start>(callbacks_, *this, module);
       run_eval_loop<detail::ValidationKind>(
@@ -235,7 +238,11 @@ void Trainer<S, P, A, Cs...>::train_epoch(Impl& module, Context& ctx, Step& step
     if constexpr (data::PositionedLoader<TL>) {
       if (resume->loader_positioned) start = train.batches_done();
     }
-    if (resume->val_pending) run_validation(module, val);  // the check of the batch the save followed
+    if (resume->val_pending) {  // the check of the batch the save followed, logged where that batch's was
+      progress_.batch_stepped = resume->batch_stepped;
+      run_validation(module, val);
+      progress_.batch_stepped = false;
+    }
     resume.reset();
   }
   progress_.batches_this_epoch = start;

@@ -39,7 +39,7 @@ struct LogOptions {
   bool sync_dist = false;
   /// The weight of this value in the epoch mean; default: the first dimension of the batch's first tensor.
   std::optional<int64_t> batch_size;
-  /// In a run over several loaders (`data::loaders`), name it `<name>/dataloader_idx_<i>` after the loader of the batch.
+  /// In a run over several loaders (`data::loaders`), name it `<name>/dataloader_idx_<i>` after the batch's loader.
   bool add_dataloader_idx = true;
 };
 

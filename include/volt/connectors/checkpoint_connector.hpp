@@ -136,7 +136,8 @@ inline std::vector<std::vector<volt::detail::MetricEntry>> metrics_from_state(co
       e.sync_dist = b(metric_keys::sync_dist);
       const int64_t reduce = d.integer(metric_keys::reduce);
       if (reduce < 0 || reduce > static_cast<int64_t>(Reduce::min)) {
-        file.fail(" has a metric \"" + e.name + "\" with reduction " + std::to_string(reduce) + "; volt writes 0 to 3.");
+        file.fail(" has a metric \"" + e.name + "\" with reduction " + std::to_string(reduce) +
+                  "; volt writes 0 to 3.");
       }
       e.reduce = static_cast<Reduce>(reduce);
       const c10::IValue acc = d.at(metric_keys::accumulated);

@@ -115,14 +115,16 @@ class LoggerConnector {
         MetricEntry e{theirs.substr(at + 5, end - at - 5), theirs[at + 1] == '1', true, theirs[at + 2] == '1',
                       theirs[at + 3] == '1', theirs[at + 4] == '1', static_cast<Reduce>(theirs[at] - '0'), {}, false,
                       {}, 0.0};
-        auto it = std::find_if(agreed.begin(), agreed.end(), [&](const AgreedName& a) { return a.entry.name == e.name; });
+        auto it = std::find_if(agreed.begin(), agreed.end(),
+                               [&](const AgreedName& a) { return a.entry.name == e.name; });
         if (it == agreed.end()) {
           agreed.push_back({e, std::vector<bool>(all.size(), false)});
           it = agreed.end() - 1;
-        } else if (it->entry.sync_dist != e.sync_dist || it->entry.reduce != e.reduce || it->entry.on_step != e.on_step) {
-          throw std::logic_error("volt: \"" + e.name + "\" was logged with other options (sync_dist, reduce or on_step) "
-                                 "on rank " + std::to_string(rank) + " than on a rank before it; log each name the same "
-                                 "way on every rank, so that the ranks reduce it together.");
+        } else if (it->entry.sync_dist != e.sync_dist || it->entry.reduce != e.reduce ||
+                   it->entry.on_step != e.on_step) {
+          throw std::logic_error("volt: \"" + e.name + "\" was logged with other options (sync_dist, reduce or "
+                                 "on_step) on rank " + std::to_string(rank) + " than on a rank before it; log each "
+                                 "name the same way on every rank, so that the ranks reduce it together.");
         }
         it->held[rank] = true;
         at = end + 1;

@@ -129,7 +129,9 @@ void Trainer<S, P, A, Cs...>::load_for_evaluation(Impl& module, const std::strin
   const checkpoint::View file = checkpoint::View::read(path);
   const checkpoint::View weights = file.sub(checkpoint::keys::state_dict);
   checkpoint::check_module_state(module, weights);
-  if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) module.on_load_checkpoint(file.dict());
+  if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) {
+    module.on_load_checkpoint(file.dict());
+  }
   checkpoint::load_module_state(module, weights.dict());
 }
 

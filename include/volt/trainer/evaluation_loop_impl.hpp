@@ -94,8 +94,10 @@ void Trainer<S, P, A, Cs...>::run_eval_loop(Impl& module, L& loader, Stage stage
 /// See the declaration.
 template <class S, class P, class A, class... Cs>
 template <class M, class Loader>
-std::map<std::string, double> Trainer<S, P, A, Cs...>::validate(M& module, Loader&& loader, const std::string& ckpt_path) {
-  static_assert(detail::has_step<detail::ValidationKind, module_impl_t<M>, typename detail::batch_of<std::remove_cvref_t<Loader>>::type>,
+std::map<std::string, double> Trainer<S, P, A, Cs...>::validate(M& module, Loader&& loader,
+                                                                const std::string& ckpt_path) {
+  using BatchTypes = typename detail::batch_of<std::remove_cvref_t<Loader>>::type;
+  static_assert(detail::has_step<detail::ValidationKind, module_impl_t<M>, BatchTypes>,
                 "volt: validate needs the module's validation_step(const Batch&, volt::Context&) for this "
                 "loader's batches (for each loader's, given several).");
   return strategy_.launch([&] {
@@ -108,7 +110,8 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::validate(M& module, Loade
 template <class S, class P, class A, class... Cs>
 template <class M, class Loader>
 std::map<std::string, double> Trainer<S, P, A, Cs...>::test(M& module, Loader&& loader, const std::string& ckpt_path) {
-  static_assert(detail::has_step<detail::TestKind, module_impl_t<M>, typename detail::batch_of<std::remove_cvref_t<Loader>>::type>,
+  using BatchTypes = typename detail::batch_of<std::remove_cvref_t<Loader>>::type;
+  static_assert(detail::has_step<detail::TestKind, module_impl_t<M>, BatchTypes>,
                 "volt: test needs the module's test_step(const Batch&, volt::Context&) for this loader's batches (for "
                 "each loader's, given several).");
   return strategy_.launch([&] {
@@ -167,7 +170,8 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, boo
     detail::EvalGradGuard no_grad(options_.inference_mode);
     hook<detail::hooks::setup>(module, ctx, Stage::predict);
     load_for_evaluation(module, ckpt_path, "predict");
-    eval_epoch<detail::PredictKind>(module, ctx, processed, [n](auto&) { return n; }, Stage::predict, [&](R& out) -> R& {
+    const auto limit = [n](auto&) { return n; };
+    eval_epoch<detail::PredictKind>(module, ctx, processed, limit, Stage::predict, [&](R& out) -> R& {
       if (!keep) return out;
       results.push_back(std::move(out));
       return results.back();

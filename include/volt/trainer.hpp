@@ -389,4 +389,5 @@ Trainer<S, P, A, std::remove_cvref_t<Callbacks>...> make_trainer(TrainerOptions 
 #include "volt/trainer/run_impl.hpp"
 #include "volt/trainer/evaluation_loop_impl.hpp"
 #include "volt/trainer/fit_loop_impl.hpp"
+#include "volt/trainer/stop_impl.hpp"
 #include "volt/trainer/checkpoint_impl.hpp"

@@ -122,16 +122,30 @@ struct batch_of<data::Loaders<L...>> {
   using type = Batches<batch_t<L>...>;
 };
 
+template <class L>
+int64_t loader_size(L& loader);
+
+/// `count(loader)` summed over several loaders (`data::Loaders`), or of a single one; -1 when one count is -1 (a
+/// loader that cannot tell).
+template <class L, class Count>
+int64_t sum_over_loaders(L& loader, Count&& count) {
+  if constexpr (data::is_loaders_v<std::remove_cv_t<L>>) {
+    int64_t total = 0;
+    loader.for_each([&](auto& one, std::size_t) {
+      const int64_t n = count(one);
+      total = total < 0 || n < 0 ? -1 : total + n;
+    });
+    return total;
+  } else {
+    return count(loader);
+  }
+}
+
 /// Its number of batches, or -1 when it cannot tell (several loaders: their sum, -1 when one cannot tell).
 template <class L>
 int64_t loader_size(L& loader) {
   if constexpr (data::is_loaders_v<std::remove_cv_t<L>>) {
-    int64_t total = 0;
-    loader.for_each([&](auto& one, std::size_t) {
-      const int64_t n = loader_size(one);
-      total = total < 0 || n < 0 ? -1 : total + n;
-    });
-    return total;
+    return sum_over_loaders(loader, [](auto& one) { return loader_size(one); });
   } else if constexpr (data::SizedLoader<L>) {
     return static_cast<int64_t>(loader.size());
   } else {

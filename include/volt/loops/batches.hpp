@@ -2,7 +2,8 @@
 /// \file
 /// How every loop walks a loader: `for_each_batch`, with a start (a resumed epoch), a limit and the knowledge of
 /// which batch is the last, read one batch ahead when the loader has no size; `with_device_batch`, the batch a
-/// step sees; and an evaluation run's loaders (several with `data::loaders`): their share, their limits.
+/// step sees; an evaluation run's loaders (several with `data::loaders`): their share, their limits; and
+/// `ShuffleOff`, a loader's shuffling turned off for overfit_batches.
 
 #include "volt/batch.hpp"
 #include "volt/context.hpp"
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iostream>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -81,17 +83,6 @@ inline auto limit_of(const Limit& limit, const char* name, int64_t cap = -1) {
   };
 }
 
-/// The batches of an evaluation run over `loader` (several loaders: the sum; -1 when one cannot tell).
-template <class L, class LimitOf>
-int64_t eval_batches(L& loader, LimitOf&& limit) {
-  int64_t total = 0;
-  data::for_each_loader(loader, [&](auto& one, std::size_t, std::size_t) {
-    const int64_t n = limit(one);
-    total = total < 0 || n < 0 ? -1 : total + n;
-  });
-  return total;
-}
-
 /// What `strategy` makes of `loader` for `stage` (its share under DDP), of each of several loaders.
 template <class S, class L>
 decltype(auto) process_loader(S& strategy, L& loader, Stage stage) {
@@ -101,5 +92,41 @@ decltype(auto) process_loader(S& strategy, L& loader, Stage stage) {
     return strategy.process_dataloader(loader, stage);
   }
 }
+
+/// While it lives, a loader that shuffles (volt's loaders: `set_shuffle`) does not, for overfit_batches: the same
+/// batches every epoch, as Lightning. Rank zero says so once per loader.
+template <class L>
+class ShuffleOff {
+ public:
+  ShuffleOff(L& loader, bool overfits, bool says, const char* which) {
+    if constexpr (data::is_loaders_v<L>) {
+      if (overfits && says) {
+        std::cerr << "volt: overfit_batches: several " << which << " loaders each keep their own order; if one "
+                  << "shuffles, turn its shuffling off so that every epoch sees the same batches.\n";
+      }
+    } else if constexpr (requires { loader.set_shuffle(false); loader.options().shuffle; }) {
+      if (!overfits || !loader.options().shuffle) return;
+      loader_ = &loader;
+      loader.set_shuffle(false);
+      if (says) {
+        std::cerr << "volt: overfit_batches: the " << which << " loader shuffles; the fit turns that off, so that "
+                  << "every epoch sees the same batches.\n";
+      }
+    } else if (overfits && says) {
+      std::cerr << "volt: overfit_batches: the " << which << " loader has no set_shuffle(bool) (volt::data's loaders "
+                << "have it); if it shuffles, each epoch sees other batches: turn its shuffling off.\n";
+    }
+  }
+  ~ShuffleOff() {
+    if constexpr (requires(L& l) { l.set_shuffle(true); }) {
+      if (loader_ != nullptr) loader_->set_shuffle(true);
+    }
+  }
+  ShuffleOff(const ShuffleOff&) = delete;
+  ShuffleOff& operator=(const ShuffleOff&) = delete;
+
+ private:
+  L* loader_ = nullptr;
+};
 
 }  // namespace volt::detail

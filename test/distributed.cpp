@@ -31,6 +31,8 @@
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include "../examples/gpt_model.hpp"
+
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
@@ -819,6 +821,60 @@ int metrics_scenario() {
   return failures == 0 ? 0 : 1;
 }
 
+/// A small GPT (examples/gpt_model.hpp) as a module: next-token loss on windows of tokens, AdamW.
+struct TinyGptImpl : torch::nn::Module {
+  gpt::GPT net{nullptr};
+  explicit TinyGptImpl(const gpt::Config& c) { net = register_module("net", gpt::GPT(c)); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    auto logits = net->forward(b.data.slice(1, 0, -1));
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), b.data.slice(1, 1).reshape({-1}));
+  }
+  volt::optim::AdamW configure_optimizers() {
+    return volt::optim::AdamW(parameters(), torch::optim::AdamWOptions(3e-3));
+  }
+};
+TORCH_MODULE(TinyGpt);
+
+/// The weights of a small GPT (dropout on) after an epoch on 2 ranks under `Strategy`, its blocks checkpointed as
+/// `which`; the same initial weights, data and generator states every time.
+gpt::Config tiny_gpt_config(volt::ActivationCheckpointing which) {
+  return {.vocab = 13, .context = 12, .layers = 3, .heads = 2, .width = 16, .dropout = 0.1, .checkpointing = which};
+}
+
+template <class Strategy>
+torch::Tensor tiny_gpt_weights(volt::ActivationCheckpointing which) {
+  torch::manual_seed(5);
+  TinyGpt m(tiny_gpt_config(which));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  auto tokens = torch::randint(13, {48, 13}, gen);
+  auto trainer = volt::make_trainer<Strategy>({.devices = g_world, .max_epochs = 1, .accumulate_grad_batches = 2});
+  volt::data::TensorLoader loader(tokens, tokens, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
+  torch::manual_seed(21 + trainer.strategy().global_rank());  // each rank its own dropout masks, the same each run
+  trainer.fit(m, loader);
+  return flat(*m);
+}
+
+/// Activation checkpointing under DDP and ZeRO<2> on 2 ranks: the weights equal the run without it, bit for bit.
+int checkpointing_scenario() {
+  using DDP = volt::DDP<volt::Script, volt::Mpi>;
+  using Zero = volt::ZeRO<2, volt::Script, volt::Mpi>;
+  const auto ddp_plain = tiny_gpt_weights<DDP>({});
+  const auto ddp_all = tiny_gpt_weights<DDP>({.every = 1});
+  const auto ddp_half = tiny_gpt_weights<DDP>({.every = 2});
+  const auto zero_plain = tiny_gpt_weights<Zero>({});
+  const auto zero_all = tiny_gpt_weights<Zero>({.every = 1});
+  torch::manual_seed(5);
+  TinyGpt initial(tiny_gpt_config({}));
+  check(!torch::allclose(ddp_plain, flat(*initial)), "the fit changed the weights");
+  check(torch::equal(ddp_all, ddp_plain), "DDP: every block checkpointed gives the plain run's weights (max diff " +
+                                              std::to_string((ddp_all - ddp_plain).abs().max().item<double>()) + ")");
+  check(torch::equal(ddp_half, ddp_plain), "DDP: every 2nd block checkpointed gives the plain run's weights");
+  check(torch::equal(zero_all, zero_plain), "ZeRO<2>: every block checkpointed gives the plain run's weights (max diff " +
+                                                std::to_string((zero_all - zero_plain).abs().max().item<double>()) + ")");
+  std::cout << "activation checkpointing on " << g_world << " ranks: DDP and ZeRO<2> weights as without it" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
 /// A name logged with sync_dist on rank 0 and without on rank 1 (a validation batch for each): every rank refuses it
 /// at the epoch's end with the same message (expect-failure checks it), none waits for a reduction the other skips.
 int metrics_mixed_scenario() {
@@ -1084,6 +1140,8 @@ const Mode kModes[] = {
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
     {"metrics-mixed", ": a name logged with sync_dist on one rank and without on another is refused",
      [](const std::vector<std::string>&) { return metrics_mixed_scenario(); }},
+    {"checkpointing", ": a small GPT with activation checkpointing under DDP and ZeRO<2> (the weights of the run without)",
+     [](const std::vector<std::string>&) { return checkpointing_scenario(); }},
     {"max-time", ": max_time on 2 ranks stepping at different speeds: both stop after the same batch",
      [](const std::vector<std::string>&) { return max_time_scenario(); }},
     {"gpu-ddp", "<script|spawn>: DDP over NCCL at world size 1 against SingleDevice on the GPU",

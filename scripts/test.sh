@@ -4,8 +4,9 @@
 # --torch 1.13 (the default): Debian's libtorch-dev, in build/.
 # --torch 2.11: pip's torch 2.11 (LibTorch with CUDA, run here on the CPU; scripts/install-torch.sh puts it in a
 #               virtual environment once), in build-torch2.11/. Needs the CUDA toolkit (nvcc) to configure.
-# --sanitize:   the unit, trainer, manual, loader, checkpoint, optim and graph tests built with AddressSanitizer and
-#               UndefinedBehaviorSanitizer (in build-sanitize/, or build-sanitize-torch<lane>/), and only those run.
+# --sanitize:   the unit, trainer, manual, loader, checkpoint, optim, graph and transformer tests built with
+#               AddressSanitizer and UndefinedBehaviorSanitizer (in build-sanitize/, or build-sanitize-torch<lane>/),
+#               and only those run.
 # --tsan:       the loader tests (worker threads) built with ThreadSanitizer (in build-tsan/), and only those run.
 # VOLT_CMAKE_ARGS: more CMake settings for the lane's build (CI's 2.11 lane: -DVOLT_CHECK_HEADERS=OFF).
 set -euo pipefail
@@ -61,7 +62,7 @@ if [ "$sanitize" = 1 ]; then
   # are left out, as AddressSanitizer owns malloc.
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     OMPI_MCA_memory=^patcher \
-    ctest --test-dir "$sbuild" --output-on-failure -j2 -R '^(unit|trainer|manual|loader|checkpoint|optim|graph)$' ${ctest_args[@]+"${ctest_args[@]}"}
+    ctest --test-dir "$sbuild" --output-on-failure -j2 -R '^(unit|trainer|manual|loader|checkpoint|optim|graph|transformer)$' ${ctest_args[@]+"${ctest_args[@]}"}
   exit
 fi
 cmake --build "$build" -j2

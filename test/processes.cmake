@@ -146,3 +146,14 @@ else()
   set_tests_properties(resume.torch_load PROPERTIES SKIP_RETURN_CODE 77)
 endif()
 set_tests_properties(resume.torch_load PROPERTIES LABELS resume TIMEOUT 300 FAIL_REGULAR_EXPRESSION "MISMATCH")
+# The transformer recipe (AdamW with two parameter groups, warm-up then cosine, stepped per optimizer step) trained by
+# volt and by PyTorch from the same weights and batches (test/recipe_check.py): the same rates and weights.
+if(volt_torch_python)
+  add_test(NAME optim.recipe_vs_torch
+           COMMAND sh -c "rm -rf '${resume_dir}/recipe' && VOLT_EXPORT_DIR='${resume_dir}/recipe' '$<TARGET_FILE:volt_tests>' '[recipe_export]' && '${volt_torch_python}' '${CMAKE_CURRENT_SOURCE_DIR}/recipe_check.py' '${resume_dir}/recipe'")
+else()
+  add_test(NAME optim.recipe_vs_torch
+           COMMAND sh -c "echo 'no Python with torch was found (tried: ${volt_python_candidates}). Skipped.'; exit 77")
+  set_tests_properties(optim.recipe_vs_torch PROPERTIES SKIP_RETURN_CODE 77)
+endif()
+set_tests_properties(optim.recipe_vs_torch PROPERTIES TIMEOUT 300 FAIL_REGULAR_EXPRESSION "MISMATCH")

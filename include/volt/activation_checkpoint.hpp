@@ -300,7 +300,9 @@ inline std::vector<at::Tensor> checkpointed_call(const CheckpointRun& run, const
   RngStates rng = RngStates::capture(inputs);
   const AutocastState autocast = AutocastState::now();
   std::vector<at::Tensor> firsts;
-  for (const auto& x : inputs) firsts.push_back(ActivationCheckpointBackward::leaf_copy(x, x.defined() && x.requires_grad()));
+  for (const auto& x : inputs) {
+    firsts.push_back(ActivationCheckpointBackward::leaf_copy(x, x.defined() && x.requires_grad()));
+  }
   // Casts of parameters made before the call would be nodes outside it; the second run makes its own.
   if (autocast.any()) at::autocast::clear_cache();
   const uint64_t from = at::sequence_number::peek();

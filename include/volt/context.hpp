@@ -117,6 +117,7 @@ struct LoopState {
   int64_t dataloaders = 1;     // the loaders of the running evaluation run (1 outside one's batches)
   Collectives* collectives = nullptr;                // the strategy's, set when a run starts
   ManualOptimization* manual = nullptr;              // the fit's manual step, under manual optimization
+  torch::Tensor loss_units;  // what training_step's loss is a mean over (Context::weigh_loss); undefined: not said
 };
 
 /// A duration as a clock shows it, rounded to seconds: "02:03", or "1:02:03" from an hour on (the progress bar's
@@ -224,6 +225,33 @@ class Context {
   bool is_global_zero() const { return state_->global_rank == 0; }
   /// The device batches are moved to.
   torch::Device device() const { return state_->device; }
+
+  /// Says that the loss this training_step returns is a mean over `units` (the tokens that count, after masking): the
+  /// gradient of an accumulation window, and across the ranks, is then the mean over every unit of the global batch
+  /// (each micro-batch's loss weighted by its units) instead of the mean of the micro-batches' and ranks' means.
+  /// `units`: a count (a one-element tensor, on any device, or a number) of 0 or more. Say it in every batch of an
+  /// accumulation window or in none; automatic optimization outside graph mode. To weight a logged epoch mean the
+  /// same way, log with `{.batch_size = units}` (Lightning's spelling).
+  void weigh_loss(const torch::Tensor& units) {
+    if (state_->stage != Stage::train || !state_->in_batch || state_->manual != nullptr) {
+      throw std::logic_error(std::string("volt: weigh_loss was called ") +
+                             (state_->manual != nullptr ? "under manual optimization, where the module weighs the "
+                                                          "losses it gives manual_backward itself"
+                                                        : "outside training_step") +
+                             "; it weighs the loss training_step returns under automatic optimization.");
+    }
+    if (!units.defined() || units.numel() != 1) {
+      throw std::invalid_argument("volt: weigh_loss takes one count (a one-element tensor or a number); it was given "
+                                  "a tensor of " + std::to_string(units.defined() ? units.numel() : 0) + " elements.");
+    }
+    state_->loss_units = units.detach().reshape({}).to(torch::kFloat64);
+  }
+  void weigh_loss(int64_t units) {
+    if (units < 0) {
+      throw std::invalid_argument("volt: weigh_loss(" + std::to_string(units) + "): a count of 0 or more units.");
+    }
+    weigh_loss(torch::tensor(static_cast<double>(units), torch::kFloat64));
+  }
 
   /// Collectives across the ranks of the run (identities in a world of one). Every rank must call them in
   /// the same order. `all_reduce` returns a reduced copy (mean divides by the world size); `all_gather`

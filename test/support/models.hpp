@@ -219,4 +219,50 @@ struct ScaleRecorder {
   }
 };
 
+/// Sequences of tokens of different lengths: `n` rows of `length + 1` tokens from a vocabulary of `vocab`, and each
+/// row's length (3 to `length`); a row's tokens past its length are padding.
+inline std::pair<torch::Tensor, torch::Tensor> ragged_tokens(int64_t n, int64_t length, int64_t vocab, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto tokens = torch::randint(vocab, {n, length + 1}, gen);
+  auto lengths = torch::randint(3, length + 1, {n}, gen);
+  return {tokens, lengths};
+}
+
+/// The cross-entropy of next-token prediction at every position of `tokens` ([n, length + 1]) before its row's
+/// length, summed, and the count of those positions.
+inline std::pair<torch::Tensor, torch::Tensor> masked_token_loss(const torch::Tensor& logits,
+                                                                 const torch::Tensor& tokens,
+                                                                 const torch::Tensor& lengths) {
+  const int64_t t = tokens.size(1) - 1;
+  auto mask = (torch::arange(t, lengths.options()).unsqueeze(0) < lengths.unsqueeze(1)).to(logits.scalar_type());
+  auto each = torch::nn::functional::cross_entropy(
+      logits.reshape({-1, logits.size(-1)}), tokens.slice(1, 1).reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  return {(each * mask.reshape({-1})).sum(), mask.sum()};
+}
+
+/// A tiny language model (an embedding and a linear head) whose training_step's loss is the mean over the batch's
+/// real tokens, said with `weigh_loss` when `weighted` (else Lightning's per-batch mean alone); SGD.
+struct MaskedLMImpl : torch::nn::Module {
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear head{nullptr};
+  bool weighted = true;
+  double lr = 0.5;
+  explicit MaskedLMImpl(int64_t vocab = 11) {
+    torch::manual_seed(4);
+    emb = register_module("emb", torch::nn::Embedding(vocab, 8));
+    head = register_module("head", torch::nn::Linear(8, vocab));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) { return head(torch::tanh(emb(tokens.slice(1, 0, -1)))); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    auto [sum, count] = masked_token_loss(forward(b.data), b.data, b.target);
+    auto loss = sum / count;
+    if (weighted) ctx.weigh_loss(count);
+    ctx.log("token_loss", loss, {.on_step = false, .on_epoch = true, .batch_size = count.item<int64_t>()});
+    return loss;
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(lr)); }
+};
+TORCH_MODULE(MaskedLM);
+
 }  // namespace vt

@@ -13,6 +13,7 @@
 #include <torch/types.h>
 
 #include <tuple>
+#include <utility>
 
 namespace volt::detail {
 
@@ -49,9 +50,10 @@ class AutomaticStep {
       p_.template hook<hooks::on_before_zero_grad>(module, ctx, optimizer);
       p_.strategy.zero_grad(optimizer);
     }
+    torch::Tensor units = std::exchange(p_.state.loss_units, torch::Tensor());
     if (!loss.defined()) return loss;
-    const torch::Tensor scaled = w.size > 1 ? loss / static_cast<double>(w.size) : loss;
-    p_.backward(module, ctx, scaled, w.steps, "the backward pass of training_step's loss");
+    p_.backward(module, ctx, loss_for_backward(loss, std::move(units), w), w.steps,
+                "the backward pass of training_step's loss");
     if (w.steps) {
       p_.optimizer_step(module, ctx, optimizer);
       p_.precision.update();
@@ -61,7 +63,44 @@ class AutomaticStep {
   }
 
  private:
+  /// The loss backward takes: divided by the window's size (Lightning's rule), or, where training_step said what its
+  /// loss is a mean over (`Context::weigh_loss`), weighted by those units. A weighted micro-batch's backward takes
+  /// loss * units / (size * units of the window's first micro-batch), a scale that keeps gradients near their usual
+  /// size; at the window's last micro-batch, before the ranks average the gradients, the units of every rank's window
+  /// are summed (one all-reduce of a number), the gradients accumulated so far rescaled and the last loss weighted
+  /// so that the average over the ranks is the mean over all their units.
+  torch::Tensor loss_for_backward(const torch::Tensor& loss, torch::Tensor units, const Window& w) {
+    if (w.starts) weighted_ = units.defined();
+    if (units.defined() != weighted_) {
+      throw std::logic_error("volt: weigh_loss was called in some training_steps of an accumulation window and not in "
+                             "others (batch " + std::to_string(p_.state.batch_idx) + "); call it in every one or in "
+                             "none.");
+    }
+    if (!weighted_) return w.size > 1 ? loss / static_cast<double>(w.size) : loss;
+    units = units.to(loss.device());
+    if (w.starts) {
+      first_ = units.clamp_min(1.0);
+      seen_ = units.clone();
+    } else {
+      seen_ = seen_ + units;
+    }
+    const double size = static_cast<double>(w.size);
+    if (!w.steps) return loss * (units / (first_ * size)).to(loss.scalar_type());
+    const torch::Tensor all = p_.strategy.all_reduce(seen_, Reduce::sum).clamp_min(1.0);
+    const double world = static_cast<double>(p_.state.world_size);
+    if (!w.starts) {  // the earlier micro-batches' gradients, still this rank's alone
+      const torch::Tensor rescale = world * size * first_ / all;
+      torch::NoGradGuard no_grad;
+      for (const auto& param : p_.params) {
+        if (param.grad().defined()) param.mutable_grad().mul_(rescale.to(param.grad().scalar_type()));
+      }
+    }
+    return loss * (units * world / all).to(loss.scalar_type());
+  }
+
   StepParts<T> p_;
+  bool weighted_ = false;
+  torch::Tensor first_, seen_;  // the window's first micro-batch's units, and its units so far
 };
 
 }  // namespace volt::detail

@@ -32,6 +32,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace volt::detail {
@@ -155,6 +156,10 @@ class GraphedStep {
         ~CastCacheOff() { at::autocast::set_autocast_cache_enabled(was); }
       } cache_off;
       loss = p_.training_step(module, ctx, b);
+    }
+    if (std::exchange(p_.state.loss_units, torch::Tensor()).defined()) {
+      throw std::logic_error("volt: weigh_loss is not available in graph mode (Graphed<GPU>), whose steps replay one "
+                             "capture; train eagerly (GPU) to weigh each batch's loss by its units.");
     }
     // In place: a captured step keeps every gradient tensor (also when the step returned no loss, an eager step, as
     // Lightning zeroes them).

@@ -4,8 +4,8 @@
 /// decay) and `SequentialLR` (one after another at milestones), for the usual recipe of today's models.
 /// \code
 ///   volt::OptimizerConfig configure_optimizers() {
-///     auto opt = std::make_shared<volt::optim::AdamW>(
-///         volt::optim::weight_decay_groups(*this, 0.1, torch::optim::AdamWOptions(6e-4)), torch::optim::AdamWOptions(6e-4));
+///     const auto defaults = torch::optim::AdamWOptions(6e-4);
+///     auto opt = std::make_shared<volt::optim::AdamW>(volt::optim::weight_decay_groups(*this, 0.1, defaults), defaults);
 ///     auto warmup = std::make_shared<volt::optim::LinearLR>(*opt, volt::optim::LinearLROptions{.start_factor = 0.01,
 ///                                                                                             .total_iters = 100});
 ///     auto decay = std::make_shared<volt::optim::CosineAnnealingLR>(

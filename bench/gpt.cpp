@@ -115,7 +115,8 @@ int main(int argc, char** argv) try {
   a.mode = argv[1];
   int i = 2;
   if (a.mode == "export" && argc > 2) a.file = argv[i++];
-  for (; i + 1 < argc; i += 2) {
+  for (; i < argc; i += 2) {
+    if (i + 1 >= argc) throw std::invalid_argument(std::string(argv[i]) + " needs a value");
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--text") a.text = v;
     else if (k == "--layers") a.layers = std::stoll(v);

@@ -28,10 +28,10 @@ for ((r = 1; r <= rounds; r++)); do
     "$build/bench/gpt_bench" run --checkpointing "$k" --steps "$steps" --text "$text" | tee -a "$work/lines"
     impl=$([ "$k" = 1 ] && echo checkpoint || echo eager)
     "$python" "$here/gpt_torch.py" --impl "$impl" --init "$work/init.pt" --text "$text" --steps "$steps" \
-      2>/dev/null | tee -a "$work/lines"
+      | tee -a "$work/lines"
   done
   "$python" "$here/gpt_torch.py" --impl lightning --init "$work/init.pt" --text "$text" --steps "$steps" \
-    2>/dev/null | grep '^{' | tee -a "$work/lines"
+    | grep '^{' | tee -a "$work/lines"
 done
 "$python" - "$work/lines" <<'PY'
 import json, statistics, sys

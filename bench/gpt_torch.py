@@ -144,7 +144,10 @@ def train_lightning(model, batches, steps):
 
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(Module(), train_dataloaders=batches)
+    rows = torch.cat([r for r, _ in batches])
+    lengths = torch.cat([l for _, l in batches])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows, lengths), batch_size=len(batches[0][0]))
+    trainer.fit(Module(), train_dataloaders=loader)
     return ends
 
 
@@ -159,7 +162,7 @@ def main():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count())))
     rows, lengths, vocab = read_windows(a.text, a.context)
     model = GPT(vocab, a.context, a.layers, a.heads, a.width, recompute=a.impl == "checkpoint")
-    init = torch.load(a.init)
+    init = torch.load(a.init, weights_only=False)  # the file gpt_bench just wrote (LibTorch's typed dict)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init[name])

@@ -141,7 +141,10 @@ int main(int argc, char** argv) try {
   args.text = text_env ? text_env : std::string(home ? home : ".") + "/.cache/volt/shakespeare";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (i + 1 >= argc) return usage();
+    if (i + 1 >= argc) {
+      std::cerr << "gpt: " << a << " needs a value\n";
+      return usage();
+    }
     const std::string v = argv[++i];
     if (a == "--text") args.text = v;
     else if (a == "--device") args.device = v;
@@ -163,7 +166,10 @@ int main(int argc, char** argv) try {
     else if (a == "--seed") args.seed = std::stoll(v);
     else if (a == "--lr") args.lr = std::stod(v);
     else if (a == "--dropout") args.dropout = std::stod(v);
-    else return usage();
+    else {
+      std::cerr << "gpt: unknown flag " << a << "\n";
+      return usage();
+    }
   }
   if (args.device != "auto" && args.device != "cpu" && args.device != "cuda") {
     std::cerr << "gpt: --device " << args.device << " is not one of auto, cpu, cuda\n";
@@ -173,9 +179,10 @@ int main(int argc, char** argv) try {
     std::cerr << "gpt: --strategy " << args.strategy << " is not one of single, ddp, zero\n";
     return 2;
   }
-  if (args.width % args.heads != 0 || args.checkpointing < 0 || args.steps < 1) {
-    std::cerr << "gpt: --width (" << args.width << ") must be a multiple of --heads (" << args.heads
-              << "), --checkpointing 0 or more, --steps 1 or more\n";
+  if (args.heads < 1 || args.width % args.heads != 0 || args.checkpointing < 0 || args.steps < 1) {
+    std::cerr << "gpt: --width " << args.width << ", --heads " << args.heads << ", --checkpointing "
+              << args.checkpointing << ", --steps " << args.steps << ": the width must be a multiple of the heads (1 "
+              << "or more), checkpointing 0 or more, steps 1 or more\n";
     return 2;
   }
   const auto texts = gpt::read_texts(args.text);

@@ -18,7 +18,7 @@
 namespace gpt {
 
 /// The files of `path` (a file, or a folder's .txt files in name order), each one string.
-std::vector<std::string> read_texts(const std::filesystem::path& path) {
+inline std::vector<std::string> read_texts(const std::filesystem::path& path) {
   std::vector<std::filesystem::path> files;
   if (std::filesystem::is_directory(path)) {
     for (const auto& e : std::filesystem::directory_iterator(path)) {
@@ -40,10 +40,10 @@ std::vector<std::string> read_texts(const std::filesystem::path& path) {
 
 /// Characters to token ids and back.
 struct Vocabulary {
-  std::vector<char> chars;
+  std::vector<char> chars;  // in the order of their byte values (0 to 255)
   std::map<char, int64_t> ids;
   explicit Vocabulary(const std::vector<std::string>& texts) {
-    std::set<char> seen;
+    std::set<unsigned char> seen;
     for (const auto& t : texts) seen.insert(t.begin(), t.end());
     chars.assign(seen.begin(), seen.end());
     for (std::size_t i = 0; i < chars.size(); ++i) ids[chars[i]] = static_cast<int64_t>(i);
@@ -54,7 +54,7 @@ struct Vocabulary {
 /// Windows of `context + 1` tokens that never cross from one file into the next: each file cut every `context`
 /// tokens, its last window shorter (padded with token 0) where the file does not fill it. Rows of tokens, and each
 /// row's count of tokens that have a next token to predict (the loss counts only those).
-std::pair<torch::Tensor, torch::Tensor> windows(const std::vector<std::string>& texts, const Vocabulary& v,
+inline std::pair<torch::Tensor, torch::Tensor> windows(const std::vector<std::string>& texts, const Vocabulary& v,
                                                 int64_t context) {
   std::vector<int64_t> tokens, lengths;
   for (const auto& t : texts) {

@@ -828,7 +828,8 @@ struct TinyGptImpl : torch::nn::Module {
   explicit TinyGptImpl(const gpt::Config& c) { net = register_module("net", gpt::GPT(c)); }
   torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
     auto logits = net->forward(b.data.slice(1, 0, -1));
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), b.data.slice(1, 1).reshape({-1}));
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                b.data.slice(1, 1).reshape({-1}));
   }
   volt::optim::AdamW configure_optimizers() {
     return volt::optim::AdamW(parameters(), torch::optim::AdamWOptions(3e-3));
@@ -870,9 +871,11 @@ int checkpointing_scenario() {
   check(torch::equal(ddp_all, ddp_plain), "DDP: every block checkpointed gives the plain run's weights (max diff " +
                                               std::to_string((ddp_all - ddp_plain).abs().max().item<double>()) + ")");
   check(torch::equal(ddp_half, ddp_plain), "DDP: every 2nd block checkpointed gives the plain run's weights");
-  check(torch::equal(zero_all, zero_plain), "ZeRO<2>: every block checkpointed gives the plain run's weights (max diff " +
-                                                std::to_string((zero_all - zero_plain).abs().max().item<double>()) + ")");
-  std::cout << "activation checkpointing on " << g_world << " ranks: DDP and ZeRO<2> weights as without it" << std::endl;
+  check(torch::equal(zero_all, zero_plain),
+        "ZeRO<2>: every block checkpointed gives the plain run's weights (max diff " +
+            std::to_string((zero_all - zero_plain).abs().max().item<double>()) + ")");
+  std::cout << "activation checkpointing on " << g_world << " ranks: DDP and ZeRO<2> weights as without it"
+            << std::endl;
   return failures == 0 ? 0 : 1;
 }
 
@@ -1177,7 +1180,7 @@ const Mode kModes[] = {
      [](const std::vector<std::string>&) { return metrics_mixed_scenario(); }},
     {"weighted-loss", ": one step of 3 micro-batches on 2 ranks with losses weighted by tokens (DDP, ZeRO<2>)",
      [](const std::vector<std::string>&) { return weighted_loss_scenario(); }},
-    {"checkpointing", ": a small GPT with activation checkpointing under DDP and ZeRO<2> (the weights of the run without)",
+    {"checkpointing", ": a small GPT with activation checkpointing under DDP and ZeRO<2> (the plain run's weights)",
      [](const std::vector<std::string>&) { return checkpointing_scenario(); }},
     {"max-time", ": max_time on 2 ranks stepping at different speeds: both stop after the same batch",
      [](const std::vector<std::string>&) { return max_time_scenario(); }},

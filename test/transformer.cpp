@@ -147,6 +147,32 @@ TEST_CASE("activation_checkpoint: a plain call without gradients; refusals", "[t
   auto outside = x * 2;
   CHECK_THROWS_WITH(volt::activation_checkpoint([&](const torch::Tensor& in) { return lin(in) + outside; }, x),
                     Contains("computed before the call") && Contains("pass it as an input"));
+  // An input changed in place: the second run would start from other values.
+  auto y0 = x.detach().clone().requires_grad_(false);
+  CHECK_THROWS_WITH(volt::activation_checkpoint([&](const torch::Tensor& in) { return lin(in.mul_(2)); }, y0),
+                    Contains("changed its tensor input 0 in place"));
+  // Returned as they are: an input and a parameter (leaves of the second run) get their gradients.
+  {
+    auto [same, weight] = volt::activation_checkpoint(
+        [&](const torch::Tensor& in) { return std::tuple<torch::Tensor, torch::Tensor>(in, lin->weight); }, x);
+    lin->weight.mutable_grad() = torch::Tensor();
+    auto gx_direct = torch::autograd::grad({(3 * same).sum() + weight.sum()}, {x, lin->weight});
+    CHECK(torch::equal(gx_direct[0], torch::full_like(x, 3)));
+    CHECK(torch::equal(gx_direct[1], torch::ones_like(lin->weight)));
+    CHECK_FALSE(lin->weight.grad().defined());  // grad() accumulates nothing, inside the second run neither
+    // The parameter as the only output: the second run's one root.
+    auto just = volt::activation_checkpoint([&](const torch::Tensor&) { return lin->weight; }, x);
+    auto g_only = torch::autograd::grad({(2 * just).sum()}, {lin->weight})[0];
+    CHECK(torch::equal(g_only, torch::full_like(lin->weight, 2)));
+    CHECK_FALSE(lin->weight.grad().defined());
+  }
+  // A lambda made in a function that returns before backward: activation_checkpoint keeps its own copy.
+  auto through_local = [&] {
+    auto local = [&lin](const torch::Tensor& in) { return torch::tanh(lin(in)); };
+    return volt::activation_checkpoint(local, x);
+  };
+  auto gx_local = torch::autograd::grad({through_local().sum()}, {x})[0];
+  CHECK(torch::equal(gx_local, torch::autograd::grad({torch::tanh(lin(x)).sum()}, {x})[0]));
   // Passed as an input instead, it works and matches.
   auto with_input = volt::activation_checkpoint(
       [&](const torch::Tensor& in, const torch::Tensor& o) { return lin(in) + o; }, x, outside);

@@ -12,7 +12,7 @@
 ///
 /// | what | how |
 /// |---|---|
-/// | `fn` | a module holder (`torch::nn::Linear`, your `TORCH_MODULE`), a module, or any callable; taken by reference when given as an lvalue and kept until backward |
+/// | `fn` | a module holder (`torch::nn::Linear`, your `TORCH_MODULE`), a module, or any callable; kept until backward: a module by reference, anything else copied (a holder's copy is the same module) |
 /// | inputs | tensors (each may or may not require gradients, or be undefined) and other values, passed to `fn` as given |
 /// | outputs | a tensor, a `std::tuple` of tensors or a `std::vector<at::Tensor>` |
 /// | gradients | of every input that requires them and of every parameter (any leaf tensor that requires gradients) `fn` uses, found by following the graph of the first run: they reach the parameters through the backward that called them, so DDP's and ZeRO's gradient hooks, accumulation and a parameter used in several places behave as without checkpointing |
@@ -23,9 +23,13 @@
 /// The first run records the graph of one block (freed when it returns) to find what `fn` uses; its saved tensors
 /// live only while `fn` runs, so the peak is one block's activations, the same as during the second run.
 /// Refused, with a message: a tensor that requires gradients and was computed outside `fn` but is captured by it
-/// (pass it as an input instead), a second derivative through a checkpointed block (`create_graph`), and a second
-/// backward through it (as PyTorch's). Both LibTorch lines use the same code: the autograd engine's `execute` with
-/// output edges (LibTorch 1.13 and 2.x alike); nothing needs Python's saved-tensor hooks.
+/// (pass it as an input instead), an input `fn` changes in place, a second derivative through a checkpointed block
+/// (`create_graph`), and a second backward through it after the graph was freed (as PyTorch's). Hooks registered on
+/// a parameter's tensor (`register_hook`) run twice (once where the second run takes its gradient, once where the
+/// calling backward accumulates it); DDP's and ZeRO's gradient hooks run after accumulation, once. Outputs that are
+/// views of one another lose that link (each is detached): change none of them in place. Both LibTorch lines use the
+/// same code: the autograd engine's `execute` with output edges (LibTorch 1.13 and 2.x alike); nothing needs
+/// Python's saved-tensor hooks.
 /// Not for use inside a step captured by graph mode (`Graphed<GPU>`): the generator states are read on the host.
 
 #include "volt/detail/torch_compat.hpp"
@@ -34,6 +38,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/Generator.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/Type.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -265,9 +270,23 @@ class ActivationCheckpointBackward final : public torch::autograd::Node {
       if (requires_grad_[i]) wanted.push_back(ag::impl::gradient_edge(inputs[i]));
     }
     for (std::size_t i = wanted.size(); i < num_outputs(); ++i) wanted.push_back(next_edge(i));
-    if (roots.empty()) return ag::variable_list(num_outputs());
-    return ag::Engine::get_default_engine().execute(roots, root_grads, /*keep_graph=*/false,
-                                                    /*create_graph=*/false, /*accumulate_grad=*/false, wanted);
+    // An output that is itself an input or a parameter (a leaf) passes its gradient straight on: as a root the
+    // engine would run its accumulator here.
+    std::vector<std::pair<std::size_t, at::Tensor>> direct;
+    for (std::size_t r = roots.size(); r-- > 0;) {
+      if (dynamic_cast<ag::AccumulateGrad*>(roots[r].function.get()) == nullptr) continue;
+      for (std::size_t i = 0; i < wanted.size(); ++i) {
+        if (wanted[i].function == roots[r].function) direct.emplace_back(i, root_grads[r]);
+      }
+      roots.erase(roots.begin() + static_cast<std::ptrdiff_t>(r));
+      root_grads.erase(root_grads.begin() + static_cast<std::ptrdiff_t>(r));
+    }
+    ag::variable_list result = roots.empty() ? ag::variable_list(num_outputs())
+                                             : ag::Engine::get_default_engine().execute(
+                                                   roots, root_grads, /*keep_graph=*/false, /*create_graph=*/false,
+                                                   /*accumulate_grad=*/false, wanted);
+    for (auto& [i, g] : direct) result[i] = result[i].defined() ? result[i] + g : g;
+    return result;
   }
 
   void release_variables() override {
@@ -305,9 +324,18 @@ inline std::vector<at::Tensor> checkpointed_call(const CheckpointRun& run, const
   }
   // Casts of parameters made before the call would be nodes outside it; the second run makes its own.
   if (autocast.any()) at::autocast::clear_cache();
+  std::vector<uint32_t> versions;
+  for (const auto& x : inputs) versions.push_back(x.defined() ? x._version() : 0);
   const uint64_t from = at::sequence_number::peek();
   std::vector<at::Tensor> outputs = run(firsts);
   const uint64_t to = at::sequence_number::peek();
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && inputs[i]._version() != versions[i]) {
+      throw std::invalid_argument("volt: activation_checkpoint: the function changed its tensor input " +
+                                  std::to_string(i) + " in place; its second run would start from the changed "
+                                  "values. Change a copy (x = x + ..., or x.clone()) instead.");
+    }
+  }
   ag::edge_list leaves = leaf_edges(outputs, firsts, from, to);
   if (autocast.any()) at::autocast::clear_cache();
   ag::edge_list edges;
@@ -384,8 +412,10 @@ auto activation_checkpoint(F&& fn, Args&&... args) {
         if constexpr (detail::is_tensor_arg<Args>) inputs.push_back(args);
       }(),
       ...);
-  // The function and the non-tensor arguments are kept until backward (an lvalue function by reference).
-  using Kept = std::conditional_t<std::is_lvalue_reference_v<F>, std::reference_wrapper<Fn>, std::remove_cv_t<Fn>>;
+  // The function and the non-tensor arguments are kept until backward: a module by reference, anything else (a
+  // lambda, a module holder) as a copy, so a callable made in forward outlives it.
+  using Kept = std::conditional_t<std::is_base_of_v<torch::nn::Module, std::remove_cv_t<Fn>>,
+                                  std::reference_wrapper<Fn>, std::remove_cv_t<Fn>>;
   auto bound = [f = Kept(std::forward<F>(fn)), kept = std::tuple(detail::kept(args)...)](
                    const std::vector<at::Tensor>& tensors) mutable -> std::vector<at::Tensor> {
     Fn& callee = f;
@@ -414,7 +444,8 @@ at::Tensor forward_blocks(const torch::nn::ModuleList& blocks, at::Tensor x, Act
     Block* block = blocks->ptr(i)->template as<Block>();
     if (block == nullptr) {
       throw std::invalid_argument("volt: forward_blocks: block " + std::to_string(i) + " of the list is a " +
-                                  blocks->ptr(i)->name() + ", not the block type given");
+                                  blocks->ptr(i)->name() + ", not the block type given (" +
+                                  c10::demangle_type<Block>() + ").");
     }
     x = which.applies(i) ? activation_checkpoint(*block, x, extra...) : block->forward(x, extra...);
   }

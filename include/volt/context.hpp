@@ -246,11 +246,11 @@ class Context {
     }
     state_->loss_units = units.detach().reshape({}).to(torch::kFloat64);
   }
-  void weigh_loss(int64_t units) {
-    if (units < 0) {
+  void weigh_loss(double units) {
+    if (!(units >= 0.0)) {
       throw std::invalid_argument("volt: weigh_loss(" + std::to_string(units) + "): a count of 0 or more units.");
     }
-    weigh_loss(torch::tensor(static_cast<double>(units), torch::kFloat64));
+    weigh_loss(torch::tensor(units, torch::kFloat64));
   }
 
   /// Collectives across the ranks of the run (identities in a world of one). Every rank must call them in

@@ -12,6 +12,9 @@
 
 #include <torch/types.h>
 
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -51,6 +54,7 @@ class AutomaticStep {
       p_.strategy.zero_grad(optimizer);
     }
     torch::Tensor units = std::exchange(p_.state.loss_units, torch::Tensor());
+    if (w.starts) weighted_.reset();
     if (!loss.defined()) return loss;
     p_.backward(module, ctx, loss_for_backward(loss, std::move(units), w), w.steps,
                 "the backward pass of training_step's loss");
@@ -65,31 +69,41 @@ class AutomaticStep {
  private:
   /// The loss backward takes: divided by the window's size (Lightning's rule), or, where training_step said what its
   /// loss is a mean over (`Context::weigh_loss`), weighted by those units. A weighted micro-batch's backward takes
-  /// loss * units / (size * units of the window's first micro-batch), a scale that keeps gradients near their usual
+  /// loss * units / (size * the window's first non-zero units), a scale that keeps gradients near their usual
   /// size; at the window's last micro-batch, before the ranks average the gradients, the units of every rank's window
   /// are summed (one all-reduce of a number), the gradients accumulated so far rescaled and the last loss weighted
   /// so that the average over the ranks is the mean over all their units.
   torch::Tensor loss_for_backward(const torch::Tensor& loss, torch::Tensor units, const Window& w) {
-    if (w.starts) weighted_ = units.defined();
-    if (units.defined() != weighted_) {
+    if (!weighted_) {  // the window's first micro-batch with a loss
+      weighted_ = units.defined();
+      first_ = seen_ = torch::Tensor();
+      pending_ = false;
+    }
+    if (units.defined() != *weighted_) {
       throw std::logic_error("volt: weigh_loss was called in some training_steps of an accumulation window and not in "
                              "others (batch " + std::to_string(p_.state.batch_idx) + "); call it in every one or in "
                              "none.");
     }
-    if (!weighted_) return w.size > 1 ? loss / static_cast<double>(w.size) : loss;
-    units = units.to(loss.device());
-    if (w.starts) {
-      first_ = units.clamp_min(1.0);
-      seen_ = units.clone();
-    } else {
-      seen_ = seen_ + units;
+    if (!*weighted_) return w.size > 1 ? loss / static_cast<double>(w.size) : loss;
+    if constexpr (!std::remove_reference_t<decltype(p_.strategy)>::replicates_module) {
+      throw std::logic_error("volt: weigh_loss under a strategy whose ranks hold different parts of the model "
+                             "(ManualParallel), whose gradients volt does not average; weigh the loss in "
+                             "training_step instead.");
     }
+    units = units.to(loss.device());
+    // The reference count: the window's first non-zero one (micro-batches of 0 units add nothing whatever it is).
+    first_ = first_.defined() ? torch::where(first_ > 0, first_, units) : units;
+    seen_ = seen_.defined() ? seen_ + units : units.clone();
+    const torch::Tensor reference = first_.clamp_min(1.0);
     const double size = static_cast<double>(w.size);
-    if (!w.steps) return loss * (units / (first_ * size)).to(loss.scalar_type());
+    if (!w.steps) {
+      pending_ = true;
+      return loss * (units / (reference * size)).to(loss.scalar_type());
+    }
     const torch::Tensor all = p_.strategy.all_reduce(seen_, Reduce::sum).clamp_min(1.0);
     const double world = static_cast<double>(p_.state.world_size);
-    if (!w.starts) {  // the earlier micro-batches' gradients, still this rank's alone
-      const torch::Tensor rescale = world * size * first_ / all;
+    if (pending_) {  // the earlier micro-batches' gradients, this rank's alone until this backward averages them
+      const torch::Tensor rescale = world * size * reference / all;
       torch::NoGradGuard no_grad;
       for (const auto& param : p_.params) {
         if (param.grad().defined()) param.mutable_grad().mul_(rescale.to(param.grad().scalar_type()));
@@ -99,8 +113,9 @@ class AutomaticStep {
   }
 
   StepParts<T> p_;
-  bool weighted_ = false;
-  torch::Tensor first_, seen_;  // the window's first micro-batch's units, and its units so far
+  std::optional<bool> weighted_;  // the running window weighs its losses (unset: no loss seen in it yet)
+  bool pending_ = false;          // weighted gradients of earlier micro-batches of the window wait in .grad
+  torch::Tensor first_, seen_;    // the window's first non-zero units (or zeros so far), and its units so far
 };
 
 }  // namespace volt::detail

@@ -5,7 +5,8 @@
 /// \code
 ///   volt::OptimizerConfig configure_optimizers() {
 ///     const auto defaults = torch::optim::AdamWOptions(6e-4);
-///     auto opt = std::make_shared<volt::optim::AdamW>(volt::optim::weight_decay_groups(*this, 0.1, defaults), defaults);
+///     auto groups = volt::optim::weight_decay_groups(*this, 0.1, defaults);
+///     auto opt = std::make_shared<volt::optim::AdamW>(std::move(groups), defaults);
 ///     auto warmup = std::make_shared<volt::optim::LinearLR>(*opt, volt::optim::LinearLROptions{.start_factor = 0.01,
 ///                                                                                             .total_iters = 100});
 ///     auto decay = std::make_shared<volt::optim::CosineAnnealingLR>(
@@ -20,9 +21,11 @@
 /// They are LibTorch `LRScheduler`s (what `OptimizerConfig::scheduler` holds): the Trainer steps them after each
 /// optimizer step (`Interval::step`) or epoch, and a checkpoint keeps their step count. Unlike LibTorch's own, and as
 /// PyTorch's, the constructor sets the first rate (`LinearLR`: `start_factor` times the initial rate), and each
-/// `step()` the rate of the next step. Each group's rate is computed from its initial rate (the group's rate when the
-/// first schedule on the optimizer was made, PyTorch's `initial_lr`) and the step count, in closed form: groups with
-/// different rates (parameter groups) keep their ratio, and a resumed fit continues with the same rates bit for bit.
+/// `step()` the rate of the next step. Each group's rate is computed in closed form from the step count and the
+/// group's initial rate: its rate when the schedule was made, and for the schedules of a `SequentialLR` the rates
+/// before the first of them was made (PyTorch's `initial_lr`). Groups with different rates (parameter groups) keep
+/// their ratio, and a resumed fit continues with the same rates bit for bit. Make one schedule per optimizer, or
+/// several joined by `SequentialLR`: a second schedule made alone would start from the rate the first one set.
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>

@@ -69,7 +69,7 @@ int run(const Args& a) {
   gpt::LanguageModel model(config_of(a, vocab.size()), gpt::Recipe{.lr = 3e-3, .warmup = 10, .steps = a.steps});
   std::vector<std::chrono::steady_clock::time_point> ends;
   auto trainer = volt::make_trainer(
-      {.max_steps = a.steps, .limit_val_batches = 0, .num_sanity_val_steps = 0, .log_every_n_steps = 1000},
+      {.max_steps = a.steps, .num_sanity_val_steps = 0, .log_every_n_steps = 1000},
       StepClock{&ends});
   const double rss_before = status_mib("VmRSS");
   std::ofstream("/proc/self/clear_refs") << "5";  // the peak of resident memory starts again from here

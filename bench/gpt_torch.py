@@ -93,12 +93,13 @@ def masked_loss(model, rows, lengths):
 
 
 def optimizer_and_schedule(model, steps, lr=3e-3, warmup=10):
+    warmup = max(1, min(warmup, steps - 1))  # as the C++ recipe (gpt::LanguageModel) bounds it for short runs
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
     warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, total_iters=warmup)
-    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps - warmup, eta_min=lr / 10)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, steps - warmup), eta_min=lr / 10)
     return opt, torch.optim.lr_scheduler.SequentialLR(opt, [warm, cosine], milestones=[warmup])
 
 

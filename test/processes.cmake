@@ -138,23 +138,25 @@ foreach(py IN LISTS volt_python_candidates)
   endif()
 endforeach()
 if(volt_torch_python)
-  message(STATUS "volt: the torch.load test uses ${volt_torch_python}")
-  add_test(NAME resume.torch_load
-           COMMAND sh -c "'${resume_exe}' export '${resume_dir}/python' && '${volt_torch_python}' '${CMAKE_CURRENT_SOURCE_DIR}/torch_load_check.py' '${resume_dir}/python'")
-else()
-  add_test(NAME resume.torch_load
-           COMMAND sh -c "echo 'no Python with torch was found (tried: ${volt_python_candidates}); set VOLT_PYTHON or install python3-torch. Skipped.'; exit 77")
-  set_tests_properties(resume.torch_load PROPERTIES SKIP_RETURN_CODE 77)
+  message(STATUS "volt: the tests that read volt's files with Python's torch use ${volt_torch_python}")
 endif()
-set_tests_properties(resume.torch_load PROPERTIES LABELS resume TIMEOUT 300 FAIL_REGULAR_EXPRESSION "MISMATCH")
+# A test whose command ends in `<python with torch> <script> <args>` (skipped, 77, where there is no such Python);
+# it fails on "MISMATCH".
+function(volt_torch_python_test name before script)
+  if(volt_torch_python)
+    add_test(NAME ${name} COMMAND sh -c "${before} && '${volt_torch_python}' '${CMAKE_CURRENT_SOURCE_DIR}/${script}' ${ARGN}")
+  else()
+    add_test(NAME ${name}
+             COMMAND sh -c "echo 'no Python with torch was found (tried: ${volt_python_candidates}); set VOLT_PYTHON or install python3-torch. Skipped.'; exit 77")
+    set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77)
+  endif()
+  set_tests_properties(${name} PROPERTIES TIMEOUT 300 FAIL_REGULAR_EXPRESSION "MISMATCH")
+endfunction()
+volt_torch_python_test(resume.torch_load "'${resume_exe}' export '${resume_dir}/python'" torch_load_check.py
+                       "'${resume_dir}/python'")
+set_tests_properties(resume.torch_load PROPERTIES LABELS resume)
 # The transformer recipe (AdamW with two parameter groups, warm-up then cosine, stepped per optimizer step) trained by
 # volt and by PyTorch from the same weights and batches (test/recipe_check.py): the same rates and weights.
-if(volt_torch_python)
-  add_test(NAME optim.recipe_vs_torch
-           COMMAND sh -c "rm -rf '${resume_dir}/recipe' && VOLT_EXPORT_DIR='${resume_dir}/recipe' '$<TARGET_FILE:volt_tests>' '[recipe_export]' && '${volt_torch_python}' '${CMAKE_CURRENT_SOURCE_DIR}/recipe_check.py' '${resume_dir}/recipe'")
-else()
-  add_test(NAME optim.recipe_vs_torch
-           COMMAND sh -c "echo 'no Python with torch was found (tried: ${volt_python_candidates}). Skipped.'; exit 77")
-  set_tests_properties(optim.recipe_vs_torch PROPERTIES SKIP_RETURN_CODE 77)
-endif()
-set_tests_properties(optim.recipe_vs_torch PROPERTIES TIMEOUT 300 FAIL_REGULAR_EXPRESSION "MISMATCH")
+volt_torch_python_test(optim.recipe_vs_torch
+                       "rm -rf '${resume_dir}/recipe' && VOLT_EXPORT_DIR='${resume_dir}/recipe' '$<TARGET_FILE:volt_tests>' '[recipe_export]'"
+                       recipe_check.py "'${resume_dir}/recipe'")

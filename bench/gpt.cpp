@@ -16,6 +16,7 @@
 #include "../examples/gpt_data.hpp"
 #include "../examples/gpt_model.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -40,12 +41,30 @@ double status_mib(const std::string& key) {
   return -1.0;
 }
 
-/// When each training batch ended.
+/// The peak of resident memory (VmHWM) starts again from the current resident memory.
+void reset_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+/// When each training step ended; resident memory at the start, and after the first step (the weights, their
+/// gradients and the optimizer's state then exist, so what later steps add above it is their activations).
+struct Clock {
+  std::vector<std::chrono::steady_clock::time_point> ends;
+  double rss_before = status_mib("VmRSS"), peak_first = 0.0, rss_after_first = 0.0;
+  Clock() { reset_peak(); }
+  void step_end() {
+    ends.push_back(std::chrono::steady_clock::now());
+    if (ends.size() != 1) return;
+    peak_first = status_mib("VmHWM");
+    rss_after_first = status_mib("VmRSS");
+    reset_peak();
+  }
+};
+
+/// The Trainer's callback that tells the clock.
 struct StepClock {
-  std::vector<std::chrono::steady_clock::time_point>* ends;
+  Clock* clock;
   template <class T, class M, class B>
   void on_train_batch_end(T&, M&, const torch::Tensor&, const B&, int64_t) {
-    ends->push_back(std::chrono::steady_clock::now());
+    clock->step_end();
   }
 };
 
@@ -67,14 +86,13 @@ int run(const Args& a) {
   volt::data::TensorLoader val(rows.slice(0, -n_val), lengths.slice(0, -n_val), {.batch_size = a.batch});
   torch::manual_seed(1337);
   gpt::LanguageModel model(config_of(a, vocab.size()), gpt::Recipe{.lr = 3e-3, .warmup = 10, .steps = a.steps});
-  std::vector<std::chrono::steady_clock::time_point> ends;
+  Clock clock;
   auto trainer = volt::make_trainer(
       {.max_steps = a.steps, .num_sanity_val_steps = 0, .log_every_n_steps = 1000},
-      StepClock{&ends});
-  const double rss_before = status_mib("VmRSS");
-  std::ofstream("/proc/self/clear_refs") << "5";  // the peak of resident memory starts again from here
+      StepClock{&clock});
   trainer.fit(model, train);
-  const double peak = status_mib("VmHWM");
+  const double step_peak = status_mib("VmHWM"), peak = std::max(clock.peak_first, step_peak);
+  const auto& ends = clock.ends;
   const double val_loss = trainer.validate(model, val).at("val_loss");
   const int64_t warm = std::min<int64_t>(5, a.steps - 2);
   const double seconds = std::chrono::duration<double>(ends.back() - ends[static_cast<std::size_t>(warm)]).count();
@@ -83,7 +101,8 @@ int run(const Args& a) {
             << at::get_num_threads() << ",\"layers\":" << a.layers << ",\"width\":" << a.width << ",\"context\":"
             << a.context << ",\"batch\":" << a.batch << ",\"steps\":" << a.steps << ",\"checkpointing\":"
             << a.checkpointing << ",\"tokens_per_s\":" << tokens / seconds << ",\"val_loss\":" << val_loss
-            << ",\"peak_rss_mib\":" << peak << ",\"train_rss_rise_mib\":" << peak - rss_before << "}" << std::endl;
+            << ",\"peak_rss_mib\":" << peak << ",\"train_rss_rise_mib\":" << peak - clock.rss_before
+            << ",\"step_rss_rise_mib\":" << step_peak - clock.rss_after_first << "}" << std::endl;
   return 0;
 }
 

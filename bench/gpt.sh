@@ -4,7 +4,11 @@
 # same initial weights on the same batches, in interleaved rounds, one process per run. Prints each run's JSON line,
 # then a summary line with the medians and ratios: tokens/s volt / PyTorch eager and volt / Lightning (> 1: volt is
 # faster), with activation checkpointing volt / PyTorch's torch.utils.checkpoint, what checkpointing every block costs
-# in step time and saves in the rise of resident memory during training, and the validation losses after STEPS steps.
+# in step time and saves in activation memory, and the validation losses after STEPS steps.
+# Activation memory: a last round of 12 steps per run with glibc's mmap threshold fixed at 64 KiB, so that every
+# tensor's buffer is mapped when made and unmapped when freed and resident memory follows live memory (with glibc's
+# default, freed buffers mostly stay resident, as train_rss_rise_mib shows); its figure is the peak of resident memory
+# during steps 2-12 above the memory after step 1 (weights, gradients, the optimizer's state): the activations' peak.
 #   bash bench/gpt.sh BUILD_DIR [ROUNDS] [STEPS]     (BUILD_DIR: a LibTorch 2.11 build, e.g. build-torch2.11)
 set -euo pipefail
 build=${1:?usage: gpt.sh BUILD_DIR [ROUNDS] [STEPS]}
@@ -33,9 +37,17 @@ for ((r = 1; r <= rounds; r++)); do
   "$python" "$here/gpt_torch.py" --impl lightning --init "$work/init.pt" --text "$text" --steps "$steps" \
     | grep '^{' | tee -a "$work/lines"
 done
-"$python" - "$work/lines" <<'PY'
+for k in 0 1; do
+  MALLOC_MMAP_THRESHOLD_=65536 "$build/bench/gpt_bench" run --checkpointing "$k" --steps 12 --text "$text" \
+    | tee -a "$work/memory"
+  impl=$([ "$k" = 1 ] && echo checkpoint || echo eager)
+  MALLOC_MMAP_THRESHOLD_=65536 "$python" "$here/gpt_torch.py" --impl "$impl" --init "$work/init.pt" --text "$text" \
+    --steps 12 | tee -a "$work/memory"
+done
+"$python" - "$work/lines" "$work/memory" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+memory = {(r["impl"], r["checkpointing"]): r["step_rss_rise_mib"] for r in map(json.loads, open(sys.argv[2]))}
 def med(impl, key, k=None):
     return statistics.median(r[key] for r in runs if r["impl"] == impl and (k is None or r["checkpointing"] == k))
 volt0, volt1 = med("volt", "tokens_per_s", 0), med("volt", "tokens_per_s", 1)
@@ -52,7 +64,9 @@ print(json.dumps({
                            "volt_checkpointing": med("volt", "train_rss_rise_mib", 1),
                            "torch_eager": med("torch_eager", "train_rss_rise_mib"),
                            "torch_checkpoint": med("torch_checkpoint", "train_rss_rise_mib")},
-    "volt_checkpointing_memory_ratio": med("volt", "train_rss_rise_mib", 1) / med("volt", "train_rss_rise_mib", 0),
+    "activation_mib": {"volt": memory["volt", 0], "volt_checkpointing": memory["volt", 1],
+                       "torch_eager": memory["torch_eager", 0], "torch_checkpoint": memory["torch_checkpoint", 1]},
+    "volt_checkpointing_activation_ratio": memory["volt", 1] / memory["volt", 0],
     "val_loss": {"volt": med("volt", "val_loss", 0), "volt_checkpointing": med("volt", "val_loss", 1),
                  "torch_eager": med("torch_eager", "val_loss"), "torch_checkpoint": med("torch_checkpoint", "val_loss"),
                  "lightning": med("torch_lightning", "val_loss")}}))

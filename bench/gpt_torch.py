@@ -110,23 +110,39 @@ def status_mib(key):
     return -1.0
 
 
-def train_eager(model, batches, steps):
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:  # the peak of resident memory (VmHWM) starts again from here
+        f.write("5")
+
+
+class Clock:
+    """When each training step ended; resident memory at the start, and after the first step (the weights, their
+    gradients and the optimizer's state then exist, so what later steps add above it is their activations)."""
+
+    def __init__(self):
+        self.ends, self.rss_before, self.peak_first = [], status_mib("VmRSS"), 0.0
+        reset_peak()
+
+    def step_end(self):
+        self.ends.append(time.perf_counter())
+        if len(self.ends) == 1:
+            self.peak_first, self.rss_after_first = status_mib("VmHWM"), status_mib("VmRSS")
+            reset_peak()
+
+
+def train_eager(model, batches, steps, clock):
     opt, sched = optimizer_and_schedule(model, steps)
-    ends = []
     for rows, lengths in batches:
         loss = masked_loss(model, rows, lengths)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
-        ends.append(time.perf_counter())
-    return ends
+        clock.step_end()
 
 
-def train_lightning(model, batches, steps):
+def train_lightning(model, batches, steps, clock):
     import lightning as L
-
-    ends = []
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -141,7 +157,7 @@ def train_lightning(model, batches, steps):
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
         def on_train_batch_end(self, *_):
-            ends.append(time.perf_counter())
+            clock.step_end()
 
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -149,7 +165,6 @@ def train_lightning(model, batches, steps):
     lengths = torch.cat([l for _, l in batches])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows, lengths), batch_size=len(batches[0][0]))
     trainer.fit(Module(), train_dataloaders=loader)
-    return ends
 
 
 def main():
@@ -169,12 +184,11 @@ def main():
             p.copy_(init[name])
     n_train, n_val = a.steps * a.batch, 8 * a.batch
     batches = [(rows[i:i + a.batch], lengths[i:i + a.batch]) for i in range(0, n_train, a.batch)]
-    rss_before = status_mib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # the peak of resident memory starts again from here
-        f.write("5")
     model.train()
-    ends = train_lightning(model, batches, a.steps) if a.impl == "lightning" else train_eager(model, batches, a.steps)
-    peak = status_mib("VmHWM")
+    clock = Clock()
+    (train_lightning if a.impl == "lightning" else train_eager)(model, batches, a.steps, clock)
+    ends, step_peak = clock.ends, status_mib("VmHWM")
+    peak = max(clock.peak_first, step_peak)
     model.eval()
     with torch.no_grad():
         val_rows, val_lengths = rows[-n_val:], lengths[-n_val:]
@@ -190,7 +204,8 @@ def main():
                       "threads": torch.get_num_threads(), "layers": a.layers, "width": a.width, "context": a.context,
                       "batch": a.batch, "steps": a.steps, "checkpointing": 1 if a.impl == "checkpoint" else 0,
                       "tokens_per_s": tokens / (ends[-1] - ends[warm]), "val_loss": total / count,
-                      "peak_rss_mib": peak, "train_rss_rise_mib": peak - rss_before}), flush=True)
+                      "peak_rss_mib": peak, "train_rss_rise_mib": peak - clock.rss_before,
+                      "step_rss_rise_mib": step_peak - clock.rss_after_first}), flush=True)
 
 
 if __name__ == "__main__":

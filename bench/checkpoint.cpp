@@ -3,6 +3,10 @@
 // (checkpoint::read), against LibTorch's own torch::save of the module and the optimizer in the same process
 // (no checksum, no fsync), rounds interleaved. One JSON line per measure, with medians and ratios.
 //   checkpoint [--rounds 9] [--dir DIR]
+// And how long a save holds the training loop, synchronous against asynchronous (`.async_save`: a host copy, then
+// the write on a thread), on a model of MB megabytes of weights (SGD with momentum: twice that in the file), rounds
+// interleaved; the asynchronous line also gives how long the write went on after the loop was free.
+//   checkpoint async [--mb 256] [--rounds 5] [--dir DIR]
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
@@ -30,9 +34,61 @@ double time_ms(F&& f) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
+/// A stack of 1024-wide linear layers with about `mb` megabytes of weights.
+struct BigImpl : torch::nn::Module {
+  torch::nn::Sequential layers;
+  explicit BigImpl(int64_t mb) {
+    for (int64_t i = 0; i < std::max<int64_t>(1, mb / 4); ++i) layers->push_back(torch::nn::Linear(1024, 1024));
+    register_module("layers", layers);
+  }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    return (layers->forward(b.data) - b.target).pow(2).mean();
+  }
+  torch::optim::SGD configure_optimizers() {
+    return torch::optim::SGD(parameters(), torch::optim::SGDOptions(1e-3).momentum(0.9));
+  }
+};
+TORCH_MODULE(Big);
+
+int async_main(int argc, char** argv) {
+  int rounds = 5;
+  int64_t mb = 256;
+  std::filesystem::path dir = std::filesystem::temp_directory_path() / "volt_bench_checkpoint";
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--rounds") rounds = std::stoi(argv[i + 1]);
+    if (a == "--mb") mb = std::stoll(argv[i + 1]);
+    if (a == "--dir") dir = argv[i + 1];
+  }
+  std::filesystem::create_directories(dir);
+  Big net(mb);
+  auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>({.max_steps = 1});
+  trainer.fit(net, volt::data::TensorLoader(torch::randn({8, 1024}), torch::randn({8, 1024}), {.batch_size = 8}));
+  const std::string sync_path = (dir / "sync.ckpt").string(), async_path = (dir / "async.ckpt").string();
+  std::vector<double> sync_ms, async_ms, write_after_ms;
+  for (int r = 0; r < rounds + 1; ++r) {  // the first round warms up
+    const double s = time_ms([&] { trainer.save_checkpoint(sync_path); });
+    const double a = time_ms([&] { trainer.save_checkpoint(std::vector<std::string>{async_path}, {.async_save = true}); });
+    const double w = time_ms([&] { trainer.wait_for_checkpoint(); });
+    if (r == 0) continue;
+    sync_ms.push_back(s);
+    async_ms.push_back(a);
+    write_after_ms.push_back(w);
+  }
+  std::cout << "{\"bench\": \"checkpoint_async\"" << volt_bench::blas_field() << ", \"file_bytes\": "
+            << std::filesystem::file_size(sync_path) << ", \"rounds\": " << rounds
+            << ", \"sync_loop_wait_ms\": " << median(sync_ms) << ", \"async_loop_wait_ms\": " << median(async_ms)
+            << ", \"ratio\": " << median(async_ms) / median(sync_ms)
+            << ", \"async_write_after_ms\": " << median(write_after_ms) << "}\n";
+  std::filesystem::remove(sync_path);
+  std::filesystem::remove(async_path);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "async") return async_main(argc, argv);
   int rounds = 9;
   std::filesystem::path dir = std::filesystem::temp_directory_path() / "volt_bench_checkpoint";
   for (int i = 1; i + 1 < argc; i += 2) {

@@ -32,14 +32,15 @@ cmake --build "$build" -j2 --target fuzz_checkpoint
 fuzz=$PWD/$build/test/fuzz/fuzz_checkpoint
 work=$PWD/$build/fuzz-work
 rm -rf "$work"
-mkdir -p "$work/seeds" "$work/bytes" "$work/fields"
+mkdir -p "$work/seeds" "$work/bytes" "$work/fields" "$work/safetensors"
 # LibTorch keeps allocations for the process's life; leaks are not what this looks for.
 # (protect_shadow_gap=0: the CUDA libraries LibTorch loads map memory there.)
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:protect_shadow_gap=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 VOLT_FUZZ_WRITE_SEEDS="$work/seeds" "$fuzz"
-cp "$work/seeds"/* "$work/bytes/"
+cp "$work/seeds"/*.ckpt "$work/bytes/"
+cp "$work/seeds"/*.safetensors "$work/safetensors/"
 export VOLT_FUZZ_SEEDS="$work/seeds"
-for mode in bytes fields; do
+for mode in bytes fields safetensors; do
   kept=(test/fuzz/regressions/$mode/*)
   if [ -e "${kept[0]}" ]; then
     echo "volt: replaying ${#kept[@]} kept $mode inputs"
@@ -51,7 +52,7 @@ for mode in bytes fields; do
   fi
 done
 summary=()
-for mode in bytes fields; do
+for mode in bytes fields safetensors; do
   log=$work/$mode.log
   status=0
   # A fixed seed: the inputs are the same sequence on every run, so a CI run repeats what was fuzzed before it

@@ -11,8 +11,8 @@
 # priority. Its OpenMP build runs on the same OpenMP runtime as LibTorch (libgomp), so a product called inside one of
 # LibTorch's parallel regions does not start a second team of threads (the pthread build would oversubscribe).
 set -euo pipefail
-packages=(g++ make cmake libtorch-dev libopenblas0-openmp libboost-mpi-dev openmpi-bin catch2 zlib1g-dev libpng-dev
-          dataset-fashion-mnist)
+packages=(g++ make cmake libtorch-dev libopenblas0-openmp libboost-mpi-dev openmpi-bin catch2 zlib1g-dev
+          nlohmann-json3-dev libpng-dev dataset-fashion-mnist)
 case "${1:-}" in
   # libblas3: a test forces the reference BLAS to see the notice; SLURM's daemons and commands, munge, iproute2 (ip
   # netns) and util-linux (unshare, nsenter): the cluster of emulated hosts

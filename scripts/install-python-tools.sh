@@ -4,8 +4,21 @@
 #   tensorboard  reads TensorBoardLogger's event files back in the tests (it shares no code with volt)
 #   matplotlib   draws a run's curves from its metrics.csv (scripts/plot_metrics.py)
 # The environment lives in $VOLT_TOOLS_VENV (default ~/.cache/volt/python-tools); about 60 MB to download.
+#   --debian-torch: instead, an environment over Debian's /usr/bin/python3 that sees its packages (python3-torch)
+#                   and has safetensors from PyPI, for the tests that read volt's files with Python's torch
+#                   ($VOLT_DEBIAN_TORCH_VENV, default ~/.cache/volt/python-debian-torch); prints its python.
 set -euo pipefail
 source "$(dirname "$0")/python-venv.sh"
+if [ "${1:-}" = "--debian-torch" ]; then
+  venv=${VOLT_DEBIAN_TORCH_VENV:-$HOME/.cache/volt/python-debian-torch}
+  volt_venv "$venv" /usr/bin/python3 --system-site-packages
+  if ! "$venv/bin/python" -c 'import safetensors' 2>/dev/null; then
+    echo "volt: installing safetensors into $venv" >&2
+    "$venv/bin/python" -m pip install --quiet --progress-bar off safetensors >&2
+  fi
+  echo "$venv/bin/python"
+  exit 0
+fi
 venv=${VOLT_TOOLS_VENV:-$HOME/.cache/volt/python-tools}
 volt_venv "$venv"
 if ! "$venv/bin/python" -c 'import tensorboard, matplotlib' 2>/dev/null; then

@@ -482,3 +482,380 @@ TEST_CASE("stop signals: options checked up front; disabled, the process keeps i
   std::signal(SIGTERM, old);
   CHECK(seen);  // SIGTERM kept the program's own disposition while the fit ran
 }
+
+// ---- asynchronous saves -----------------------------------------------------------------------------------
+
+namespace {
+
+/// A regressor with a 4 MiB weight: an asynchronous write of it takes long enough for training to go on meanwhile.
+struct WideNetImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  WideNetImpl() { lin = register_module("lin", torch::nn::Linear(1024, 1024)); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    return vt::mse(lin(b.data), b.target);
+  }
+  torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(0.5)); }
+};
+TORCH_MODULE(WideNet);
+
+/// The weight after each optimizer step, by step; placed before ModelCheckpoint, so it runs before that step's save.
+struct WeightLog {
+  std::map<int64_t, torch::Tensor>* by_step;
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M& module, const torch::Tensor&, const B&, int64_t) {
+    (*by_step)[trainer.global_step()] = module.lin->weight.detach().clone();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("asynchronous saves: the state at the save point, the bytes of a synchronous save, errors at the next wait",
+          "[checkpoint][async]") {
+  const fs::path dir = scratch("async");
+  torch::manual_seed(2);
+  auto x = torch::randn({48, 1024}), y = torch::randn({48, 1024});
+  std::map<int64_t, torch::Tensor> weights;
+  WideNet net;
+  auto trainer = volt::make_trainer(
+      {.max_epochs = 2}, WeightLog{&weights},
+      volt::ModelCheckpoint({.dirpath = (dir / "steps").string(), .filename = "{step}", .save_top_k = -1,
+                             .every_n_train_steps = 1, .async_save = true}));
+  trainer.fit(net, make_loader(x, y, 8));
+  REQUIRE(weights.size() == 12);
+  // Every step's file is complete when fit returns, and holds that step's weights, not a later step's (the optimizer
+  // changed the weight in place while the write went on).
+  for (const auto& [step, w] : weights) {
+    INFO("step " << step);
+    const auto d = volt::checkpoint::read((dir / "steps" / ("step=" + std::to_string(step) + ".ckpt")).string());
+    CHECK(d.at("loops").toGenericDict().at("global_step").toInt() == step);
+    CHECK(torch::equal(d.at("state_dict").toGenericDict().at("lin.weight").toTensor(), w));
+  }
+  // The same state saved both ways (after the fit, so nothing moves): the same bytes.
+  trainer.save_checkpoint((dir / "sync.ckpt").string());
+  trainer.save_checkpoint(std::vector<std::string>{(dir / "async.ckpt").string(), (dir / "async2.ckpt").string()},
+                          {.async_save = true});
+  trainer.wait_for_checkpoint();
+  CHECK(read_bytes(dir / "sync.ckpt") == read_bytes(dir / "async.ckpt"));
+  CHECK(read_bytes(dir / "sync.ckpt") == read_bytes(dir / "async2.ckpt"));
+  // A write that fails on the writer's thread is thrown by the next wait, naming the file; the training thread goes on.
+  trainer.save_checkpoint(std::vector<std::string>{"/proc/volt-cannot/x.ckpt"}, {.async_save = true});
+  CHECK_THROWS_WITH(trainer.wait_for_checkpoint(), Contains("/proc/volt-cannot") && Contains("folder"));
+  trainer.wait_for_checkpoint();  // the error was taken: nothing is in flight
+}
+
+TEST_CASE("asynchronous saves: top k, last.ckpt, and a stop signal that waits for the save in flight",
+          "[checkpoint][async]") {
+  const fs::path dir = scratch("async_topk");
+  auto [x, y] = vt::regression_data(64);
+  Signalled run;
+  run->at = 5;
+  auto t = volt::make_trainer({.max_epochs = 3, .default_root_dir = dir.string(),
+                               .signals = {.exit_process = false}},
+                              volt::ModelCheckpoint({.save_top_k = 1, .save_last = true, .every_n_train_steps = 1,
+                                                     .async_save = true}));
+  CHECK_THROWS_AS(t.fit(run, make_loader(x, y, 8)), volt::Interrupted);
+  // The save of step 6 (the signalled batch's) was in flight or done when the signal's checkpoint was written after
+  // it: the folder holds last.ckpt and the latest step's file (its predecessor deleted once it was in place), and
+  // interrupted.ckpt, all complete and of step 6.
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir / "checkpoints")) names.insert(e.path().filename().string());
+  CHECK(names == std::set<std::string>{"epoch=0-step=6.ckpt", "interrupted.ckpt", "last.ckpt"});
+  for (const auto& n : names) {
+    INFO(n);
+    CHECK(volt::checkpoint::read((dir / "checkpoints" / n).string()).at("loops").toGenericDict().at("global_step").toInt() == 6);
+  }
+}
+
+// ---- weights that travel: safetensors, loading into part of a model, freezing ----------------------------
+
+namespace {
+
+/// A safetensors file's bytes from its header text and data, with the 8-byte little-endian length before them.
+std::string safetensors_bytes(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header + data;
+}
+
+/// A tensor of `dtype` whose values Python's check computes the same way: arange(6) as [2, 3], converted (bool:
+/// odd elements; complex: arange plus -arange·i).
+torch::Tensor pattern(torch::ScalarType dtype) {
+  auto a = torch::arange(6, torch::kLong).reshape({2, 3});
+  if (dtype == torch::kBool) return (a % 2).to(torch::kBool);
+  if (dtype == torch::kComplexFloat) return torch::complex(a.to(torch::kFloat), -a.to(torch::kFloat));
+  return a.to(dtype);
+}
+
+/// A backbone (linear, batch norm, ReLU) and a head; `Net(classes)` makes heads of other widths.
+struct TunedNetImpl : torch::nn::Module {
+  torch::nn::Sequential backbone{nullptr};
+  torch::nn::Linear head{nullptr};
+  explicit TunedNetImpl(int64_t classes = 3) {
+    backbone = register_module("backbone", torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::BatchNorm1d(8),
+                                                                 torch::nn::ReLU()));
+    head = register_module("head", torch::nn::Linear(8, classes));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(backbone->forward(x)); }
+};
+TORCH_MODULE(TunedNet);
+
+bool same_tensor(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         (a.numel() == 0 || std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(),
+                                        static_cast<std::size_t>(a.numel() * a.element_size())) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("safetensors: the bytes the format's rules give, by hand, and a round trip of every dtype", "[weights]") {
+  const fs::path dir = scratch("safetensors_bytes");
+  // Two tensors given in the "wrong" order: the format writes the widest dtype first (I64 before F32), then by name.
+  volt::TensorFile f;
+  f.tensors = {{"b", torch::tensor({1.0f, 2.0f})}, {"a", torch::tensor({int64_t{7}})}};
+  f.metadata = {{"format", "pt"}};
+  volt::safetensors::write((dir / "two.safetensors").string(), f);
+  std::string header = R"({"__metadata__":{"format":"pt"},"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},)"
+                       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
+  header.resize((header.size() + 7) / 8 * 8, ' ');  // padded to a multiple of 8 with spaces
+  std::string data(16, '\0');
+  const int64_t seven = 7;
+  const float one_two[2] = {1.0f, 2.0f};
+  std::memcpy(data.data(), &seven, 8);
+  std::memcpy(data.data() + 8, one_two, 8);
+  const auto written = read_bytes(dir / "two.safetensors");
+  CHECK(std::string(written.begin(), written.end()) == safetensors_bytes(header, data));
+
+  volt::TensorFile all;
+  for (const auto& d : volt::safetensors::detail::dtypes()) all.tensors.emplace_back(d.name, pattern(d.type));
+  all.tensors.emplace_back("scalar", torch::tensor(3.5, torch::kDouble).reshape({}));
+  all.tensors.emplace_back("empty", torch::zeros({0, 4}, torch::kHalf));
+  all.tensors.emplace_back("strided", torch::arange(12, torch::kFloat).reshape({3, 4}).t());  // not contiguous
+  volt::safetensors::write((dir / "all.safetensors").string(), all);
+  const volt::TensorFile back = volt::safetensors::read((dir / "all.safetensors").string());
+  REQUIRE(back.tensors.size() == all.tensors.size());
+  std::map<std::string, torch::Tensor> by_name(back.tensors.begin(), back.tensors.end());
+  for (const auto& [name, t] : all.tensors) {
+    INFO(name);
+    REQUIRE(by_name.count(name));
+    CHECK(same_tensor(by_name[name], t.contiguous()));
+  }
+  const auto bytes = read_bytes(dir / "all.safetensors");
+  const volt::TensorFile decoded = volt::safetensors::decode(bytes.data(), bytes.size(), "memory");
+  REQUIRE(decoded.tensors.size() == back.tensors.size());
+  for (std::size_t i = 0; i < decoded.tensors.size(); ++i) CHECK(same_tensor(decoded.tensors[i].second, back.tensors[i].second));
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  CHECK(n % 8 == 0);  // the data starts 8-aligned, and each tensor on a multiple of its element size:
+  for (const auto& e : volt::safetensors::parse_header(std::string_view(bytes.data() + 8, n), bytes.size() - 8 - n,
+                                                       "x").entries) {
+    CHECK(e.begin % c10::elementSize(e.dtype) == 0);
+  }
+
+  CHECK_THROWS_WITH(volt::safetensors::write((dir / "x.safetensors").string(),
+                                             {.tensors = {{"a", torch::ones(2)}, {"a", torch::ones(2)}}, .metadata = {}}),
+                    Contains("\"a\" is given twice"));
+  CHECK_THROWS_WITH(volt::safetensors::write((dir / "x.safetensors").string(),
+                                             {.tensors = {{"q", torch::ones(2).to_sparse()}}, .metadata = {}}),
+                    Contains("\"q\"") && Contains("which safetensors cannot hold"));
+  CHECK_FALSE(fs::exists(dir / "x.safetensors"));
+}
+
+TEST_CASE("safetensors: malformed files are refused with what is wrong, and nothing is loaded", "[weights]") {
+  const fs::path dir = scratch("safetensors_bad");
+  const std::string f32x2 = R"("dtype":"F32","shape":[2])";
+  const std::string good_data(16, '\x01');
+  auto entry = [&](const std::string& name, int b, int e) {
+    return "\"" + name + "\":{" + f32x2 + R"(,"data_offsets":[)" + std::to_string(b) + "," + std::to_string(e) + "]}";
+  };
+  const std::string good = safetensors_bytes("{" + entry("w", 0, 8) + "," + entry("v", 8, 16) + "}", good_data);
+  std::string huge(8, '\0');
+  const uint64_t big = 100'000'001;
+  std::memcpy(huge.data(), &big, 8);
+  std::string past_end = good;
+  const uint64_t longer = good.size();  // the header's length says more than the file holds
+  std::memcpy(past_end.data(), &longer, 8);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {good.substr(0, good.size() - 3), "bytes of data after the header"},   // truncated in the data
+      {good.substr(0, 5), "fewer than the 8"},                                // truncated in the length
+      {good.substr(0, 30), "only 22 follow"},                                 // truncated in the header
+      {past_end, "and only"},
+      {huge, "more than the limit of 100000000"},
+      {safetensors_bytes("{" + entry("w", 0, 8) + "," + entry("v", 4, 12) + "}", good_data.substr(0, 12)),
+       "\"v\" (4 to 12) overlap those of \"w\""},
+      {safetensors_bytes("{" + entry("w", 0, 8) + "," + entry("v", 12, 20) + "}", std::string(20, '\1')),
+       "the bytes 8 to 12 belong to no tensor"},
+      {safetensors_bytes(R"({"w":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}})", good_data.substr(0, 8)),
+       "the dtype \"F31\"; known dtypes: BOOL, U8"},
+      {safetensors_bytes("{" + entry("w", 0, 8) + "," + entry("w", 8, 16) + "}", good_data), "names \"w\" twice"},
+      {safetensors_bytes("{" + entry("w", 0, 12) + "}", std::string(12, '\1')),
+       "\"w\" has 12 bytes, and its shape [2] of Float needs 8"},
+      {safetensors_bytes("{" + entry("w", 0, 8) + "}", good_data), "end at 8 and the file has 16 bytes"},
+      {safetensors_bytes("[1,2]   ", ""), "does not start with '{'"},
+      {safetensors_bytes(R"({"w": nope})", ""), "its header is not JSON"},
+      {safetensors_bytes(R"({"w":{"dtype":"F32","shape":[2]}})", ""), "the entry of \"w\" has no \"data_offsets\""},
+      {safetensors_bytes(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,0]}})", ""), "not a non-negative integer"},
+      {safetensors_bytes(R"({"__metadata__":{"n":1}})", ""), "gives \"n\" the value 1, not a string"},
+      {safetensors_bytes(R"({"b":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", "\x01\x02"),
+       "neither 0 nor 1"},
+      {safetensors_bytes(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", good_data.substr(0, 8)),
+       "more elements than 64 bits count"},
+      {safetensors_bytes(R"({"w":{"a":{"b":{"c":[1]}}}})", ""), "nested 4 levels deep"},
+  };
+  TunedNet net;
+  const auto before = net->head->weight.clone();
+  for (const auto& [bytes, message] : cases) {
+    INFO(message);
+    CHECK_THROWS_WITH(volt::safetensors::decode(bytes.data(), bytes.size(), "memory"), Contains(message));
+    write_bytes(dir / "bad.safetensors", std::vector<char>(bytes.begin(), bytes.end()));
+    CHECK_THROWS_WITH(volt::load_weights(*net, (dir / "bad.safetensors").string(), {.strict = false}),
+                      Contains(message) && Contains((dir / "bad.safetensors").string()));
+  }
+  CHECK(torch::equal(net->head->weight, before));
+  const auto ok = volt::safetensors::decode(good.data(), good.size(), "memory");
+  CHECK(ok.tensors.size() == 2);  // the well-formed file the cases were cut from is read
+  CHECK_THROWS_WITH(volt::safetensors::read((dir / "none.safetensors").string()), Contains("cannot open"));
+}
+
+TEST_CASE("load_weights: into part of a model, by prefix or skipping, strict or not, shapes checked, dtypes converted",
+          "[weights]") {
+  const fs::path dir = scratch("load_weights");
+  torch::manual_seed(3);
+  TunedNet trained(3);
+  volt::save_safetensors(*trained, (dir / "net.safetensors").string());
+  const auto file = volt::safetensors::read((dir / "net.safetensors").string());
+  CHECK(file.metadata.at("format") == "pt");
+  CHECK(file.tensors.size() == 9);  // 2 linear layers' weight and bias, batch norm's 2 parameters and 3 buffers (hand count)
+
+  SECTION("strict (the default): a model of another head width is refused, naming the shapes, and kept") {
+    TunedNet other(5);
+    const auto w = other->head->weight.clone();
+    CHECK_THROWS_WITH(volt::load_weights(*other, (dir / "net.safetensors").string()),
+                      Contains("other shapes") && Contains("head.weight (file [3, 8], module [5, 8])") &&
+                          Contains("nothing was loaded"));
+    CHECK(torch::equal(other->head->weight, w));
+    CHECK_THROWS_WITH(volt::load_weights(*other, (dir / "net.safetensors").string(), {.strict = false}),
+                      Contains("head.bias (file [3], module [5])"));  // shapes are checked even when not strict
+  }
+  SECTION("skipping the head loads the backbone and names the new head as missing") {
+    TunedNet fresh(5);
+    const auto head = fresh->head->weight.clone();
+    const auto r = volt::load_weights(*fresh, (dir / "net.safetensors").string(), {.skip = {"head."}, .strict = false});
+    CHECK(r.missing == std::vector<std::string>{"head.bias", "head.weight"});
+    CHECK(r.unexpected.empty());
+    CHECK(r.loaded.size() == 7);
+    for (const auto& [k, t] : file.tensors) {
+      if (k.rfind("backbone.", 0) == 0) CHECK(torch::equal(fresh->named_parameters().contains(k) ? fresh->named_parameters()[k] : fresh->named_buffers()[k], t));
+    }
+    CHECK(torch::equal(fresh->head->weight, head));
+    CHECK_THROWS_WITH(volt::load_weights(*fresh, (dir / "net.safetensors").string(), {.skip = {"head."}}),
+                      Contains("missing head.bias head.weight") && !Contains("not in the module"));
+  }
+  SECTION("a sub-module takes its part through a rename; unexpected names are named") {
+    TunedNet fresh(3);
+    auto& backbone = *fresh->backbone;
+    const auto r = volt::load_weights(backbone, (dir / "net.safetensors").string(),
+                                      {.rename = {{"backbone.", ""}}, .strict = false});
+    CHECK(r.unexpected == std::vector<std::string>{"head.bias", "head.weight"});
+    CHECK(r.missing.empty());
+    CHECK(torch::equal(fresh->backbone[0]->as<torch::nn::Linear>()->weight, trained->backbone[0]->as<torch::nn::Linear>()->weight));
+    CHECK_THROWS_WITH(volt::load_weights(backbone, (dir / "net.safetensors").string(), {.rename = {{"backbone.", ""}}}),
+                      Contains("not in the module head.bias head.weight"));
+    CHECK_THROWS_WITH(volt::load_weights(backbone, (dir / "net.safetensors").string(),
+                                         {.rename = {{"backbone.0.", ""}, {"head.", ""}}, .strict = false}),
+                      Contains("gives two tensors the name bias"));
+  }
+  SECTION("a file of doubles loads into a float model (converted), and a volt checkpoint's weights load alike") {
+    volt::TensorFile doubles = volt::module_weights(*trained);
+    for (auto& [k, t] : doubles.tensors) {
+      if (t.is_floating_point()) t = t.to(torch::kDouble) + 0.25;  // exact in float: the values are floats + 1/4
+    }
+    volt::safetensors::write((dir / "doubles.safetensors").string(), doubles);
+    TunedNet fresh(3);
+    volt::load_weights(*fresh, (dir / "doubles.safetensors").string());
+    CHECK(fresh->head->weight.scalar_type() == torch::kFloat);
+    CHECK(torch::equal(fresh->head->weight, (trained->head->weight.to(torch::kDouble) + 0.25).to(torch::kFloat)));
+  }
+}
+
+TEST_CASE("freeze and unfreeze: gradients and batch norms as Lightning's BaseFinetuning", "[weights]") {
+  TunedNet net;
+  auto bn = net->backbone[1]->as<torch::nn::BatchNorm1d>();
+  volt::freeze(*net->backbone);  // train_bn = true, as Lightning's default: the batch norm stays trainable
+  CHECK_FALSE(net->backbone[0]->as<torch::nn::Linear>()->weight.requires_grad());
+  CHECK(bn->weight.requires_grad());
+  CHECK(net->head->weight.requires_grad());
+  auto x = torch::randn({6, 4});
+  net->forward(x).sum().backward();
+  CHECK_FALSE(net->backbone[0]->as<torch::nn::Linear>()->weight.grad().defined());
+  CHECK(net->head->weight.grad().defined());
+
+  volt::freeze(*net->backbone, {.train_bn = false});
+  CHECK_FALSE(bn->weight.requires_grad());
+  const auto mean = bn->running_mean.clone();
+  net->train();
+  const auto shifted = torch::randn({6, 4}) + 5;
+  auto h = net->backbone[0]->as<torch::nn::Linear>()->forward(shifted);
+  const auto by_batch = torch::batch_norm(h, bn->weight, bn->bias, {}, {}, /*training=*/true, 0.1, 1e-5, false);
+  CHECK(torch::allclose(bn->forward(h), by_batch));
+  CHECK(torch::equal(bn->running_mean, mean));  // normalized by the batch's statistics; the running ones kept
+  net->eval();
+  CHECK(torch::allclose(bn->forward(h), (h - mean) / torch::sqrt(bn->running_var + 1e-5) * bn->weight + bn->bias));
+  net->train();
+
+  volt::unfreeze(*net->backbone);
+  CHECK(net->backbone[0]->as<torch::nn::Linear>()->weight.requires_grad());
+  CHECK(bn->weight.requires_grad());
+  net->forward(torch::randn({6, 4}) + 5);
+  CHECK_FALSE(torch::equal(bn->running_mean, mean));  // tracking again
+}
+
+TEST_CASE("safetensors files for Python to read", "[.safetensors_export]") {
+  const char* dir_env = std::getenv("VOLT_EXPORT_DIR");
+  REQUIRE(dir_env != nullptr);
+  const fs::path dir(dir_env);
+  fs::create_directories(dir);
+  volt::TensorFile all;
+  for (const auto& d : volt::safetensors::detail::dtypes()) all.tensors.emplace_back(d.name, pattern(d.type));
+  all.tensors.emplace_back("scalar", torch::tensor(3.5, torch::kDouble).reshape({}));
+  all.tensors.emplace_back("empty", torch::zeros({0, 4}, torch::kHalf));
+  all.tensors.emplace_back("strided", torch::arange(12, torch::kFloat).reshape({3, 4}).t());
+  all.metadata = {{"format", "pt"}};
+  volt::safetensors::write((dir / "all.safetensors").string(), all);
+  torch::manual_seed(5);
+  TunedNet net;
+  net->train();
+  net->forward(torch::randn({16, 4}) * 2 - 1);  // running statistics that are not the initial ones
+  net->eval();
+  volt::save_safetensors(*net, (dir / "net.safetensors").string());
+  const auto x = torch::randn({5, 4});
+  volt::safetensors::write((dir / "io.safetensors").string(),
+                           {.tensors = {{"input", x}, {"output", net->forward(x).detach()}}, .metadata = {}});
+}
+
+TEST_CASE("safetensors files Python wrote", "[.safetensors_import]") {
+  const char* dir_env = std::getenv("VOLT_EXPORT_DIR");
+  REQUIRE(dir_env != nullptr);
+  const fs::path dir(dir_env);
+  const auto file = volt::safetensors::read((dir / "from_python.safetensors").string());
+  CHECK(file.metadata.at("written_by") == "python");
+  std::set<std::string> python_has;
+  std::istringstream names(file.metadata.at("dtypes"));
+  for (std::string n; names >> n;) python_has.insert(n);
+  for (const auto& d : volt::safetensors::detail::dtypes()) {
+    INFO(d.name);
+    CHECK(python_has.count(d.name) == 1);  // both sides know the same dtypes
+  }
+  for (const auto& [name, t] : file.tensors) {
+    INFO(name);
+    const auto* d = volt::safetensors::detail::find(name);
+    REQUIRE(d != nullptr);
+    CHECK(same_tensor(t, pattern(d->type)));
+  }
+  TunedNet net;
+  volt::load_weights(*net, (dir / "py_net.safetensors").string());
+  net->eval();
+  const auto io = volt::safetensors::read((dir / "py_io.safetensors").string());
+  std::map<std::string, torch::Tensor> m(io.tensors.begin(), io.tensors.end());
+  CHECK(torch::allclose(net->forward(m.at("input")), m.at("output"), 1e-5, 1e-6));
+}

@@ -107,6 +107,7 @@ set(resume_dir ${CMAKE_CURRENT_BINARY_DIR}/resume_runs)
 volt_resume_test(resume.sigkill ${resume_exe} sigkill ${resume_dir}/sigkill 3)
 volt_resume_test(resume.sigkill_manual ${resume_exe} sigkill ${resume_dir}/sigkill_manual 3 manual)
 volt_resume_test(resume.sigkill_workers ${resume_exe} sigkill ${resume_dir}/sigkill_workers 3 workers)
+volt_resume_test(resume.sigkill_async ${resume_exe} sigkill ${resume_dir}/sigkill_async 4 async)
 volt_resume_test(resume.kill_mid_write ${resume_exe} kill-mid-write ${resume_dir}/kill_mid_write 8)
 volt_resume_test(resume.ddp_exact CORES ${resume_exe} ddp-exact ${resume_dir}/ddp_exact -- ${volt_mpirun})
 volt_resume_test(resume.spawn_exact CORES ${resume_exe} spawn-exact ${resume_dir}/spawn_exact)
@@ -150,7 +151,7 @@ function(volt_torch_python_test name before script)
              COMMAND sh -c "echo 'no Python with torch was found (tried: ${volt_python_candidates}); set VOLT_PYTHON or install python3-torch. Skipped.'; exit 77")
     set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77)
   endif()
-  set_tests_properties(${name} PROPERTIES TIMEOUT 300 FAIL_REGULAR_EXPRESSION "MISMATCH")
+  set_tests_properties(${name} PROPERTIES TIMEOUT 300 FAIL_REGULAR_EXPRESSION "MISMATCH" SKIP_RETURN_CODE 77)
 endfunction()
 volt_torch_python_test(resume.torch_load "'${resume_exe}' export '${resume_dir}/python'" torch_load_check.py
                        "'${resume_dir}/python'")
@@ -160,3 +161,8 @@ set_tests_properties(resume.torch_load PROPERTIES LABELS resume)
 volt_torch_python_test(optim.recipe_vs_torch
                        "rm -rf '${resume_dir}/recipe' && VOLT_EXPORT_DIR='${resume_dir}/recipe' '$<TARGET_FILE:volt_tests>' '[recipe_export]'"
                        recipe_check.py "'${resume_dir}/recipe'")
+# safetensors both ways (test/safetensors_check.py): Python's safetensors and torch read volt's files (every dtype,
+# the same bytes as Python's writer, a network's weights giving the same output) and write files volt reads back.
+volt_torch_python_test(weights.safetensors_python
+                       "rm -rf '${resume_dir}/safetensors' && VOLT_EXPORT_DIR='${resume_dir}/safetensors' '$<TARGET_FILE:volt_tests>' '[safetensors_export]'"
+                       safetensors_check.py "'${resume_dir}/safetensors' && VOLT_EXPORT_DIR='${resume_dir}/safetensors' '$<TARGET_FILE:volt_tests>' '[safetensors_import]'")

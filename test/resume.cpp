@@ -1,6 +1,6 @@
 // Resuming in new processes. Each driver mode starts real processes (this program again, or mpirun) and
 // checks their results against a reference run:
-//   resume sigkill <dir> [rounds] [manual|workers]
+//   resume sigkill <dir> [rounds] [manual|workers|async]
 //                                             a run killed with SIGKILL at a random step and resumed from its
 //                                             last checkpoint ends bit-identical to an uninterrupted run (manual:
 //                                             a module with manual optimization, two optimizers; workers: the
@@ -128,23 +128,27 @@ struct StepPrinter {
   }
 };
 
-// resume train <dir> <weights-out> [--resume] [--manual] [--workers]: one process, a checkpoint (last.ckpt) after
-// every step; --workers: the loader reads with 3 worker threads.
+// resume train <dir> <weights-out> [--resume] [--manual] [--workers] [--async]: one process, a checkpoint (last.ckpt)
+// after every step; --workers: the loader reads with 3 worker threads; --async: ModelCheckpoint's asynchronous saves,
+// of the latest step's file (the previous one deleted once the new one is in place) and last.ckpt.
 template <class Model>
-int train(const std::string& dir, const std::string& out, bool resume, int workers) {
+int train(const std::string& dir, const std::string& out, bool resume, int workers, bool async = false) {
   torch::manual_seed(1);  // LibTorch seeds its generator differently in every process: the same initial weights
   Model model;
   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
       {.max_epochs = 4, .deterministic = true, .seed = 7},
-      volt::ModelCheckpoint({.dirpath = dir, .save_top_k = 0, .save_last = true, .every_n_train_steps = 1}),
+      volt::ModelCheckpoint({.dirpath = dir, .save_top_k = async ? 1 : 0, .save_last = true,
+                             .every_n_train_steps = 1, .async_save = async}),
       StepPrinter{});
   trainer.fit(model, tiny_data(true, workers), volt::NoLoader{}, resume ? "last" : "");
   trainer.save_checkpoint(out, /*weights_only=*/true);
   return 0;
 }
 
-// resume sigkill <dir> [rounds] [manual|workers]: `manual` trains ManualTiny (72 optimizer steps) instead of Tiny
-// (48); `workers` kills and resumes runs whose loader has 3 workers, against a reference without.
+// resume sigkill <dir> [rounds] [manual|workers|async]: `manual` trains ManualTiny (72 optimizer steps) instead of Tiny
+// (48); `workers` kills and resumes runs whose loader has 3 workers, against a reference without; `async` kills runs
+// that save asynchronously (the kill lands in a write on the writer's thread as often as not): every checkpoint left
+// in the folder reads, last.ckpt among them, and the resume from it ends bit-identical to a synchronous reference.
 int sigkill(const std::string& dir, int rounds, const std::string& variant) {
   fs::remove_all(dir);
   const std::string ref = dir + "/reference.ckpt";
@@ -153,6 +157,7 @@ int sigkill(const std::string& dir, int rounds, const std::string& variant) {
   auto train_cmd = [&](std::vector<std::string> cmd) {
     cmd.insert(cmd.end(), model.begin(), model.end());
     if (variant == "workers" && cmd[2] != dir + "/ref_run") cmd.push_back("--workers");
+    if (variant == "async" && cmd[2] != dir + "/ref_run") cmd.push_back("--async");
     return cmd;
   };
   if (run(train_cmd({self_exe(), "train", dir + "/ref_run", ref})) != 0) fail("the reference run failed");
@@ -171,8 +176,15 @@ int sigkill(const std::string& dir, int rounds, const std::string& variant) {
       return true;
     });
     if (status != -SIGKILL) fail("the run to kill ended with status " + std::to_string(status));
+    int files = 0;
+    for (const auto& e : fs::directory_iterator(run_dir)) {  // each complete file reads (a temporary one may be left)
+      if (e.path().extension() != ".ckpt") continue;
+      volt::checkpoint::read(e.path().string());
+      ++files;
+    }
     const int64_t saved = volt::checkpoint::read(run_dir + "/last.ckpt").at("loops").toGenericDict().at("global_step").toInt();
-    std::cout << "round " << r << ": killed after step " << kill_at << "; its last checkpoint holds step " << saved << std::endl;
+    std::cout << "round " << r << ": killed after step " << kill_at << "; its last checkpoint holds step " << saved
+              << " (" << files << " checkpoint files, all read)" << std::endl;
     if (run(train_cmd({self_exe(), "train", run_dir, out, "--resume"})) != 0) fail("the resumed run failed");
     std::string why;
     if (!identical(ref, out, &why)) fail("round " + std::to_string(r) + ": " + why);
@@ -950,7 +962,7 @@ struct Mode {
   int (*run)(const std::vector<std::string>& a, int argc, char** argv);  // a[0] is the program
 };
 const Mode kModes[] = {
-    {"sigkill", 2, "<dir> [rounds] [manual|workers]", [](const std::vector<std::string>& a, int, char**) {
+    {"sigkill", 2, "<dir> [rounds] [manual|workers|async]", [](const std::vector<std::string>& a, int, char**) {
        return sigkill(a[2], a.size() > 3 ? std::stoi(a[3]) : 3, a.size() > 4 ? a[4] : "");
      }},
     {"kill-mid-write", 2, "<dir> [rounds]", [](const std::vector<std::string>& a, int, char**) {
@@ -980,11 +992,13 @@ const Mode kModes[] = {
      }},
     {"export", 2, "<dir>", [](const std::vector<std::string>& a, int, char**) { return export_for_python(a[2]); }},
     // workers
-    {"train", 3, "<dir> <out> [--resume] [--manual] [--workers]", [](const std::vector<std::string>& a, int, char**) {
+    {"train", 3, "<dir> <out> [--resume] [--manual] [--workers] [--async]", [](const std::vector<std::string>& a, int,
+                                                                                  char**) {
        const bool resume = std::find(a.begin() + 4, a.end(), "--resume") != a.end();
        const int workers = std::find(a.begin() + 4, a.end(), "--workers") != a.end() ? 3 : 0;
+       const bool async = std::find(a.begin() + 4, a.end(), "--async") != a.end();
        if (std::find(a.begin() + 4, a.end(), "--manual") != a.end()) return train<ManualTiny>(a[2], a[3], resume, workers);
-       return train<Tiny>(a[2], a[3], resume, workers);
+       return train<Tiny>(a[2], a[3], resume, workers, async);
      }},
     {"writer", 2, "<path>", [](const std::vector<std::string>& a, int, char**) { return writer(a[2]); }},
     {"ddp-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {

@@ -64,6 +64,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -71,6 +74,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <typeinfo>
 #include <vector>
 
@@ -98,9 +102,9 @@ using Dict = c10::impl::GenericDict;
 
 inline Dict make_dict() { return Dict(c10::StringType::get(), c10::AnyType::get()); }
 
-/// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename, fsync of the
-/// folder). Creates the folder if needed.
-inline void write_atomic(const std::string& path, const char* data, std::size_t size) {
+/// Writes `pieces` one after another to `path` atomically (temporary file in the same folder, fsync, rename, fsync of
+/// the folder). Creates the folder if needed.
+inline void write_atomic(const std::string& path, const std::vector<std::pair<const char*, std::size_t>>& pieces) {
   const std::filesystem::path target(path);
   const std::filesystem::path dir = target.parent_path();
   std::error_code ec;
@@ -109,18 +113,20 @@ inline void write_atomic(const std::string& path, const char* data, std::size_t 
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) detail::fail_errno("writing the checkpoint (opening)", tmp);
-  std::size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::write(fd, data + done, size - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int saved = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      errno = saved;
-      detail::fail_errno("writing the checkpoint", tmp);
+  for (const auto& [data, size] : pieces) {
+    std::size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::write(fd, data + done, size - done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        const int saved = errno;
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        errno = saved;
+        detail::fail_errno("writing the checkpoint", tmp);
+      }
+      done += static_cast<std::size_t>(n);
     }
-    done += static_cast<std::size_t>(n);
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
     const int saved = errno;
@@ -135,6 +141,11 @@ inline void write_atomic(const std::string& path, const char* data, std::size_t 
     detail::fail_errno("renaming the finished checkpoint onto", path);
   }
   detail::fsync_dir(dir);
+}
+
+/// Writes `size` bytes at `data` to `path` atomically.
+inline void write_atomic(const std::string& path, const char* data, std::size_t size) {
+  write_atomic(path, {{data, size}});
 }
 
 /// Checks, before any training, that checkpoints can be written into `folder`: it exists or can be created, a
@@ -190,8 +201,41 @@ std::string free_checkpoint_path(const std::filesystem::path& folder, const std:
   return candidate;
 }
 
-/// Stamps `contents` with the format, the versions and its checksum, and writes it atomically.
-inline void save(const std::string& path, Dict contents) {
+/// A copy of `v` whose dicts and lists are its own, rebuilt with their types: the pickler memoizes a container
+/// shared elsewhere (its use count above one), so without this the bytes of a save would depend on who else holds
+/// its pieces. `copy_tensors`: tensors copied too, into memory training cannot change (CPU tensors cloned, CUDA
+/// tensors copied into pinned host memory); else shared. Numbers and strings are immutable and shared.
+inline c10::IValue unshared(const c10::IValue& v, bool copy_tensors) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!copy_tensors || !t.defined()) return t;
+    if (t.is_cpu()) return t.clone();
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    return host.copy_(t);
+  }
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    c10::impl::GenericDict out(d.keyType(), d.valueType());
+    out.reserve(d.size());
+    for (const auto& e : d) out.insert(e.key(), unshared(e.value(), copy_tensors));
+    return out;
+  }
+  if (v.isList()) {
+    const auto l = v.toList();
+    c10::impl::GenericList out(l.elementType());
+    out.reserve(l.size());
+    for (const auto& e : l) out.push_back(unshared(e, copy_tensors));
+    return out;
+  }
+  if (v.isTuple() && copy_tensors) return v.deepcopy();
+  return v;
+}
+
+/// Stamps `contents` with the format, the versions and its checksum, and writes it atomically to each of `paths` in
+/// order (the same bytes; serialized once).
+inline void save(const std::vector<std::string>& paths, const Dict& given) {
+  const std::string path = paths.empty() ? std::string() : paths.front();
+  Dict contents = unshared(given, /*copy_tensors=*/false).toGenericDict();  // the same bytes whoever shares a piece
   contents.insert_or_assign("format", std::string(kFormat));
   contents.insert_or_assign("format_version", kFormatVersion);
   contents.insert_or_assign("volt_version", std::string(version_string));
@@ -205,8 +249,53 @@ inline void save(const std::string& path, Dict contents) {
   } catch (const c10::Error& e) {
     throw CheckpointError("volt: serializing the checkpoint for " + path + " failed: " + detail::first_line(e.what()));
   }
-  write_atomic(path, bytes.data(), bytes.size());
+  for (const auto& p : paths) write_atomic(p, bytes.data(), bytes.size());
 }
+
+/// Stamps `contents` and writes it atomically to `path`.
+inline void save(const std::string& path, const Dict& contents) { save(std::vector<std::string>{path}, contents); }
+
+/// Writes checkpoints on a thread of its own, one save at a time: `submit` returns once the contents are copied to
+/// host memory, and waits first for the save in flight (as torchtitan's asynchronous checkpoints). The files are
+/// the bytes `save` writes, written and renamed the same way (a process killed mid-write leaves each previous file
+/// whole). A failed write is thrown, as a CheckpointError naming the file, by the next `submit` or `wait`.
+class AsyncWriter {
+ public:
+  AsyncWriter() = default;
+  AsyncWriter(AsyncWriter&&) noexcept = default;
+  AsyncWriter& operator=(AsyncWriter&&) noexcept = default;
+  /// Waits for the save in flight; an error it had is printed (a destructor cannot throw).
+  ~AsyncWriter() {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      std::cerr << e.what() << '\n';
+    }
+  }
+
+  /// Copies `contents` to host memory, then writes it to each of `paths` in order on the writer's thread and
+  /// calls `done` there once all are in place (ModelCheckpoint deletes the files that left its top k then).
+  void submit(std::vector<std::string> paths, const Dict& contents, std::function<void()> done = {}) {
+    wait();
+    Dict copy = unshared(contents, /*copy_tensors=*/true).toGenericDict();
+    pending_ = std::async(std::launch::async, [paths = std::move(paths), copy = std::move(copy),
+                                               done = std::move(done)]() mutable {
+      save(paths, std::move(copy));
+      if (done) done();
+    });
+  }
+  /// Waits for the save in flight, if any; throws its error.
+  void wait() {
+    if (!pending_.valid()) return;
+    std::future<void> f = std::move(pending_);
+    f.get();
+  }
+  /// Whether a save is in flight (submitted and not yet waited for).
+  bool busy() const { return pending_.valid(); }
+
+ private:
+  std::future<void> pending_;
+};
 
 inline Dict decode(const std::vector<char>& bytes, const std::string& path);
 
@@ -331,11 +420,79 @@ inline std::optional<Dict> saved_callback_state(const std::string& path, const s
 }
 
 /// The module's parameters and buffers by dotted name (CPU tensors), as PyTorch's `state_dict()`.
-inline c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module) {
+/// `on_device`: the tensors where they are (an asynchronous save copies them into host memory itself).
+inline c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device = false) {
   c10::Dict<std::string, at::Tensor> out;
-  for (const auto& p : module.named_parameters(/*recurse=*/true)) out.insert(p.key(), p.value().detach().cpu());
+  auto take = [&](const at::Tensor& t) { return on_device ? t.detach() : t.detach().cpu(); };
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) out.insert(p.key(), take(p.value()));
   for (const auto& b : module.named_buffers(/*recurse=*/true)) {
-    if (b.value().defined()) out.insert(b.key(), b.value().detach().cpu());
+    if (b.value().defined()) out.insert(b.key(), take(b.value()));
+  }
+  return out;
+}
+
+/// Named tensors as a weights file holds them, in the file's order.
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+/// Where each of a file's tensors goes in a module (its parameters and buffers, by dotted name), and what is left.
+struct WeightsMatch {
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  ///< the module's tensor, the file's
+  std::vector<std::string> loaded, missing, unexpected;   ///< module names given a value; module names without
+                                                          ///< one; file names the module does not have
+};
+
+/// Matches `named` to the module's parameters and buffers by name. Throws, naming every difference and what the
+/// weights are (`origin`), when shapes differ, and when `strict` and a name is missing or unexpected.
+inline WeightsMatch match_weights(const torch::nn::Module& module, const NamedTensors& named, bool strict,
+                                  const std::string& origin) {
+  std::map<std::string, at::Tensor> mine;
+  for (const auto& p : module.named_parameters(true)) mine.emplace(p.key(), p.value());
+  for (const auto& b : module.named_buffers(true)) {
+    if (b.value().defined()) mine.emplace(b.key(), b.value());
+  }
+  WeightsMatch m;
+  std::ostringstream shapes;
+  std::set<std::string> seen;
+  for (const auto& [k, t] : named) {
+    seen.insert(k);
+    auto it = mine.find(k);
+    if (it == mine.end()) {
+      m.unexpected.push_back(k);
+    } else if (t.sizes() != it->second.sizes()) {
+      shapes << " " << k << " (file " << t.sizes() << ", module " << it->second.sizes() << ")";
+    } else {
+      m.copies.emplace_back(it->second, t);
+      m.loaded.push_back(k);
+    }
+  }
+  for (const auto& [k, v] : mine) {
+    if (!seen.count(k)) m.missing.push_back(k);
+  }
+  auto list = [](const std::vector<std::string>& names) {
+    std::string out;
+    for (const auto& n : names) out += " " + n;
+    return out;
+  };
+  if (!shapes.str().empty() || (strict && (!m.missing.empty() || !m.unexpected.empty()))) {
+    std::string msg = "volt: the weights in " + origin + " do not fit this module:";
+    if (strict && !m.missing.empty()) msg += " missing" + list(m.missing) + ";";
+    if (strict && !m.unexpected.empty()) msg += " not in the module" + list(m.unexpected) + ";";
+    if (!shapes.str().empty()) msg += " other shapes" + shapes.str() + ";";
+    throw CheckpointError(msg + " nothing was loaded.");
+  }
+  return m;
+}
+
+/// The tensors of a checkpoint's `state_dict` entry (a value that is not a tensor is refused).
+inline NamedTensors named_tensors(const View& view) {
+  NamedTensors out;
+  for (const auto& e : view.dict()) {
+    if (!e.value().isTensor()) {
+      throw CheckpointError("volt: the weights in " + view.path() + " do not fit this module: " +
+                            e.key().toStringRef() + " is a " + e.value().tagKind() + ", not a tensor; nothing was "
+                            "loaded.");
+    }
+    out.emplace_back(e.key().toStringRef(), e.value().toTensor());
   }
   return out;
 }
@@ -343,35 +500,7 @@ inline c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& 
 /// Throws unless the weights `view` holds have exactly the module's names with the same shapes (names every
 /// difference).
 inline void check_module_state(const torch::nn::Module& module, const View& view) {
-  const Dict& state = view.dict();
-  std::map<std::string, at::Tensor> mine;
-  for (const auto& p : module.named_parameters(true)) mine.emplace(p.key(), p.value());
-  for (const auto& b : module.named_buffers(true)) {
-    if (b.value().defined()) mine.emplace(b.key(), b.value());
-  }
-  std::ostringstream missing, unexpected, shapes;
-  std::set<std::string> seen;
-  for (const auto& e : state) {
-    const std::string& k = e.key().toStringRef();
-    seen.insert(k);
-    auto it = mine.find(k);
-    if (it == mine.end()) {
-      unexpected << " " << k;
-    } else if (!e.value().isTensor() || e.value().toTensor().sizes() != it->second.sizes()) {
-      shapes << " " << k << " (file " << (e.value().isTensor() ? c10::str(e.value().toTensor().sizes()) : "not a tensor")
-             << ", module " << it->second.sizes() << ")";
-    }
-  }
-  for (const auto& [k, v] : mine) {
-    if (!seen.count(k)) missing << " " << k;
-  }
-  if (!missing.str().empty() || !unexpected.str().empty() || !shapes.str().empty()) {
-    std::string msg = "volt: the weights in " + view.path() + " do not fit this module:";
-    if (!missing.str().empty()) msg += " missing" + missing.str() + ";";
-    if (!unexpected.str().empty()) msg += " not in the module" + unexpected.str() + ";";
-    if (!shapes.str().empty()) msg += " other shapes" + shapes.str() + ";";
-    throw CheckpointError(msg + " nothing was loaded.");
-  }
+  match_weights(module, named_tensors(view), /*strict=*/true, view.path());
 }
 
 /// Copies `state` into the module (checked first with check_module_state).
@@ -487,12 +616,11 @@ inline void set_rng_states(const std::vector<at::Tensor>& states) {
 
 }  // namespace checkpoint
 
-/// Loads the weights (parameters and buffers) of a volt checkpoint into `module`, for inference or
-/// fine-tuning; the checkpoint is checked whole first, and nothing is copied unless every name and shape fits.
-inline void load_weights(torch::nn::Module& module, const std::string& path) {
-  const checkpoint::View state = checkpoint::View::read(path).sub(checkpoint::keys::state_dict);
-  checkpoint::check_module_state(module, state);
-  checkpoint::load_module_state(module, state.dict());
-}
+/// How `Trainer::save_checkpoint` writes a checkpoint.
+struct SaveOptions {
+  bool weights_only = false;     ///< the module's parameters and buffers only
+  bool async_save = false;       ///< copied to host memory, then written on a thread (checkpoint::AsyncWriter)
+  std::function<void()> done{};  ///< on rank zero, once every file is in place (on the writer's thread when async)
+};
 
 }  // namespace volt

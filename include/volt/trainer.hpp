@@ -213,10 +213,15 @@ class Trainer {
   /// The checkpoint the running (or last) fit resumed from ("" when it started afresh).
   const std::string& ckpt_path() const { return ckpt_path_; }
 
-  /// Writes a checkpoint of the running (or last) fit to `path` (see volt/checkpoint.hpp for what it
-  /// holds); `weights_only` keeps the module's parameters and buffers only. Every rank must call it: each
-  /// contributes its generator states, rank zero writes the file atomically, and all wait for the write.
-  void save_checkpoint(const std::string& path, bool weights_only = false);
+  /// Writes a checkpoint of the running (or last) fit to `path` (volt/checkpoint.hpp says what it holds); every rank
+  /// calls it (each gives its generator states), rank zero writes atomically, all wait. `weights_only`: weights only.
+  void save_checkpoint(const std::string& path, bool weights_only = false) {
+    save_checkpoint({path}, SaveOptions{weights_only});
+  }
+  /// The same state to each of `paths`. `.async_save`: returns once it is copied to host memory and writes on a
+  /// thread, one save in flight (the next save, a stop and the fit's end wait for it; `wait_for_checkpoint` too).
+  void save_checkpoint(const std::vector<std::string>& paths, const SaveOptions& options);
+  void wait_for_checkpoint() { writer_.wait(); }
 
   /// Asks the training loop to stop (honoured once min_epochs and min_steps are met).
   void request_stop() { progress_.should_stop = true; }
@@ -368,6 +373,7 @@ class Trainer {
   std::function<data::LoaderState()> train_loader_state_;
   /// The callbacks' on_save_checkpoint and the module's (full checkpoints only), set while a fit runs.
   std::function<void(checkpoint::Dict&, bool weights_only)> save_hooks_;
+  checkpoint::AsyncWriter writer_;  ///< asynchronous saves
   /// The training loader's position when the last fit ended.
   std::optional<data::LoaderState> final_loader_state_;
   /// A fit is running.

@@ -17,3 +17,4 @@
 #include "volt/strategies.hpp"
 #include "volt/trainer.hpp"
 #include "volt/version.hpp"
+#include "volt/weights.hpp"

@@ -1,5 +1,5 @@
-// A libFuzzer target on what reads checkpoints, built by scripts/fuzz.sh with clang, AddressSanitizer and
-// UndefinedBehaviorSanitizer (test/fuzz/CMakeLists.txt). Two modes (VOLT_FUZZ_MODE):
+// A libFuzzer target on what reads checkpoints and weights files, built by scripts/fuzz.sh with clang,
+// AddressSanitizer and UndefinedBehaviorSanitizer (test/fuzz/CMakeLists.txt). Three modes (VOLT_FUZZ_MODE):
 //
 //   bytes   the input is a checkpoint file's bytes: checkpoint::decode (what `read` does with a file), then every
 //           check a resume makes and the loads that follow them.
@@ -7,13 +7,16 @@
 //           removed or replaced by other kinds, sizes and numbers, the checksum stamped again so the edits reach
 //           the checks behind it; then the same resume path, including the training loader's state decoder and
 //           the loader resuming from it.
+//   safetensors  the input is a safetensors file's bytes: safetensors::decode, then the tensors loaded into the
+//           module below (not strict: matching names, shapes checked, dtypes converted).
 //
 // The oracle, besides the sanitizers: every bad input must end in a volt::CheckpointError (a sentence naming the
 // file and the fault). Any other exception escaping, or a crash, is a finding; the input that shows it is kept in
 // test/fuzz/regressions/ and replayed by scripts/fuzz.sh before fuzzing.
 //
 // VOLT_FUZZ_WRITE_SEEDS=<dir>: writes the seed corpus (real checkpoints of the module below, trained by a
-// Trainer: mid-epoch, mid-window with accumulated gradients, epoch end, weights only) and exits.
+// Trainer: mid-epoch, mid-window with accumulated gradients, epoch end, weights only, as *.ckpt; its weights and a
+// file of several dtypes with metadata as *.safetensors) and exits.
 // VOLT_FUZZ_SEEDS=<dir>: where the fields mode reads its seeds.
 
 #include <torch/torch.h>
@@ -81,10 +84,15 @@ void write_seeds(const fs::path& dir) {
       volt::ModelCheckpoint({.dirpath = (dir / "val").string(), .filename = "val-{step}", .save_top_k = -1}));
   trainer.fit(net, loader(), loader());
   trainer.save_checkpoint((dir / "weights_only.ckpt").string(), /*weights_only=*/true);
+  volt::save_safetensors(*net, (dir / "net.safetensors").string());
+  volt::safetensors::write((dir / "dtypes.safetensors").string(),
+                           {.tensors = {{"b", torch::tensor({true, false})}, {"h", torch::ones({2, 2}, torch::kHalf)},
+                                        {"l", torch::arange(3)}, {"s", torch::tensor(1.5)}, {"e", torch::ones({0})}},
+                            .metadata = {{"format", "pt"}, {"note", "seed"}}});
   int n = 1;
   for (const char* sub : {"steps", "val"}) {
     for (const auto& e : fs::directory_iterator(dir / sub)) {
-      fs::rename(e.path(), dir / e.path().filename());
+      fs::rename(e.path(), dir / e.path().filename().replace_extension(".ckpt"));
       ++n;
     }
     fs::remove_all(dir / sub);
@@ -238,9 +246,10 @@ std::vector<Dict>& seeds() {
   static std::vector<Dict> s;
   return s;
 }
-bool& fields_mode() {
-  static bool on = false;
-  return on;
+enum class Mode { bytes, fields, safetensors };
+Mode& mode() {
+  static Mode m = Mode::bytes;
+  return m;
 }
 
 }  // namespace
@@ -250,13 +259,13 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     write_seeds(dir);
     std::exit(0);
   }
-  const char* mode = std::getenv("VOLT_FUZZ_MODE");
-  fields_mode() = mode != nullptr && std::string(mode) == "fields";
-  if (mode == nullptr || (!fields_mode() && std::string(mode) != "bytes")) {
-    std::cerr << "fuzz_checkpoint: set VOLT_FUZZ_MODE to bytes or fields." << std::endl;
+  const std::string name = std::getenv("VOLT_FUZZ_MODE") ? std::getenv("VOLT_FUZZ_MODE") : "";
+  if (name != "bytes" && name != "fields" && name != "safetensors") {
+    std::cerr << "fuzz_checkpoint: set VOLT_FUZZ_MODE to bytes, fields or safetensors." << std::endl;
     std::exit(2);
   }
-  if (!fields_mode()) return 0;
+  mode() = name == "fields" ? Mode::fields : name == "safetensors" ? Mode::safetensors : Mode::bytes;
+  if (mode() != Mode::fields) return 0;
   const char* dir = std::getenv("VOLT_FUZZ_SEEDS");
   if (dir == nullptr) {
     std::cerr << "fuzz_checkpoint: the fields mode needs VOLT_FUZZ_SEEDS, a folder of seed checkpoints "
@@ -264,7 +273,9 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     std::exit(2);
   }
   std::vector<fs::path> files;
-  for (const auto& e : fs::directory_iterator(dir)) files.push_back(e.path());
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() == ".ckpt") files.push_back(e.path());
+  }
   std::sort(files.begin(), files.end());
   for (const auto& f : files) seeds().push_back(volt::checkpoint::read(f.string()));
   if (seeds().empty()) {
@@ -276,7 +287,15 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   std::vector<char> bytes;
-  if (fields_mode()) {
+  if (mode() == Mode::safetensors) {
+    expect_checkpoint_error("safetensors decode and load", [&] {
+      Net net;
+      volt::load_weights(*net, volt::safetensors::decode(reinterpret_cast<const char*>(data), size, "input"),
+                         {.strict = false}, "input");
+    });
+    return 0;
+  }
+  if (mode() == Mode::fields) {
     Recipe r{data, size};
     Dict d = c10::IValue(seeds()[r.take(1) % seeds().size()]).deepcopy().toGenericDict();
     for (int edits = 0; edits < 8 && !r.empty(); ++edits) edit(d, r);

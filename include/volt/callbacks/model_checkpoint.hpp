@@ -43,6 +43,11 @@ namespace volt {
 /// What it never deletes, as Lightning: a file outside its own folder, and the checkpoint the fit resumed
 /// from. A fit that resumes from a checkpoint written into another folder (another `default_root_dir` or
 /// `dirpath`) takes over only its best path, not its top k, so the earlier run's files stay whole.
+/// `async_save`: each save returns once the state is copied to host memory (pinned where it was on a GPU) and the
+/// file (and `last.ckpt`) is serialized, checksummed, written and renamed on a thread, the same bytes as a
+/// synchronous save; one save in flight (the next waits for it, as do a stop signal, max_time and the fit's end); a
+/// file that leaves the top k is deleted only once the new file is in place, so a kill at any moment leaves the
+/// previous files whole.
 /// A monitored name that is missing is a warning until the fit's first validation has run (a step-based
 /// save can come before it), and an error after.
 /// `trainer.fit(module, train, val, "last")` resumes from the newest checkpoint it wrote (a fresh start
@@ -74,6 +79,8 @@ class ModelCheckpoint {
     /// (false: replace it).
     bool enable_version_counter = true;
     bool verbose = false;
+    /// Write on a thread while training goes on (above).
+    bool async_save = false;
   };
 
   static constexpr bool monitors_metrics = true;
@@ -445,19 +452,31 @@ class ModelCheckpoint {
     std::string last;
     if (options_.save_last) last = free_path(trainer, kLastName);
     if (!last.empty()) last_model_path_ = last;  // before the first write: every file of this save names it
+    std::vector<std::string> doomed;  // deleted once the new files are in place (rank zero)
+    for (const auto& p : remove) {
+      if (p != written && p != last && trainer.is_global_zero() && may_remove(trainer, p)) doomed.push_back(p);
+    }
+    std::string said;
+    if (options_.verbose && !written.empty()) {
+      said = "ModelCheckpoint: saved " + written + " (epoch " + std::to_string(trainer.current_epoch()) + ", step " +
+             std::to_string(trainer.global_step()) + ")\n";
+    }
+    auto done = [doomed, said] {
+      std::error_code ec;
+      for (const auto& p : doomed) std::filesystem::remove(p, ec);
+      std::cout << said;
+    };
+    if (options_.async_save) {
+      std::vector<std::string> paths;
+      for (const auto& p : {written, last}) {
+        if (!p.empty()) paths.push_back(p);
+      }
+      if (!paths.empty()) trainer.save_checkpoint(paths, {options_.save_weights_only, true, done});
+      return;
+    }
     if (!written.empty()) trainer.save_checkpoint(written, options_.save_weights_only);
     if (!last.empty()) trainer.save_checkpoint(last, options_.save_weights_only);
-    if (trainer.is_global_zero()) {
-      for (const auto& p : remove) {
-        if (p == written || p == last || !may_remove(trainer, p)) continue;
-        std::error_code ec;
-        std::filesystem::remove(p, ec);
-      }
-      if (options_.verbose && !written.empty()) {
-        std::cout << "ModelCheckpoint: saved " << written << " (epoch " << trainer.current_epoch() << ", step "
-                  << trainer.global_step() << ")\n";
-      }
-    }
+    if (trainer.is_global_zero()) done();
   }
 
   void update_best() {

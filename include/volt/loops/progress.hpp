@@ -134,6 +134,11 @@ struct FitProgress {
   }
 
   void start_clock() { clock_start = std::chrono::steady_clock::now(); }
+  /// The fit is over: its time stops (a save after it records the fit's time, not the time since).
+  void stop_clock() {
+    time_before = time_elapsed();
+    clock_start.reset();
+  }
   /// Seconds of training so far, the fits this one resumed from included.
   double time_elapsed() const {
     if (!clock_start) return time_before;

@@ -4,6 +4,7 @@
 /// share of a save, resolving `"last"`/`"best"` through the callbacks, and loading a checked `ResumeState`
 /// (connectors/checkpoint_connector.hpp) with backups. Not a header of its own: include volt/trainer.hpp.
 
+#include <algorithm>
 #include <exception>
 #include <functional>
 #include <iostream>
@@ -13,15 +14,20 @@
 
 namespace volt {
 
-/// See the declaration. Every rank gathers its share (collectives), rank zero writes, all wait.
+/// See the declaration. Every rank gathers its share (collectives), rank zero writes (or hands the copy to the
+/// writer's thread), all wait.
 template <class S, class P, class A, class... Cs>
-void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weights_only) {
+void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& paths, const SaveOptions& options) {
+  const bool weights_only = options.weights_only;
+  const std::string path = paths.empty() ? std::string() : paths.front();
   if (module_ == nullptr) {
     throw std::logic_error("volt: save_checkpoint(\"" + path + "\") was called, but no fit has run in this process, so "
                            "there is nothing to save yet. (With DDP<Spawn>, fit runs in worker processes: save from "
                            "inside fit, with ModelCheckpoint or a callback.)");
   }
-  if (path.empty()) throw std::invalid_argument("volt: save_checkpoint needs a file path; got an empty string.");
+  if (std::any_of(paths.begin(), paths.end(), [](const std::string& p) { return p.empty(); }) || paths.empty()) {
+    throw std::invalid_argument("volt: save_checkpoint needs a file path; got an empty string.");
+  }
   if (!strategy_type::replicates_module && strategy_.world_size() > 1) {
     throw CheckpointError(std::string("volt: ") + strategy_type::name +
                           " lets each rank hold different parameters, and a checkpoint is one file written by "
@@ -48,7 +54,7 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
   }
   if (strategy_.is_global_zero()) {
     checkpoint::Dict d = checkpoint::make_dict();
-    d.insert(checkpoint::keys::state_dict, checkpoint::module_state(*module_));
+    d.insert(checkpoint::keys::state_dict, checkpoint::module_state(*module_, /*on_device=*/options.async_save));
     if (!weights_only) {
       checkpoint::FitState fit;
       std::vector<int64_t> optimizer_steps;
@@ -74,7 +80,13 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::string& path, bool weig
       d.insert(checkpoint::keys::accumulated_grads, grads);
     }
     if (save_hooks_) save_hooks_(d, weights_only);
-    checkpoint::save(path, std::move(d));
+    if (options.async_save) {
+      writer_.submit(paths, d, options.done);
+    } else {
+      writer_.wait();  // files land in the order they were saved
+      checkpoint::save(paths, std::move(d));
+      if (options.done) options.done();
+    }
   }
   strategy_.barrier();
 }

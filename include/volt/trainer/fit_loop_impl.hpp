@@ -59,11 +59,8 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
       if (!weights_only) module.on_save_checkpoint(d);
     }
   };
-  if constexpr (data::PositionedLoader<PTL>) {
-    train_loader_state_ = [&train_loader] { return train_loader.state_dict(); };
-  } else {
-    train_loader_state_ = nullptr;
-  }
+  train_loader_state_ = nullptr;  // the training loader's position, where it keeps one
+  if constexpr (data::PositionedLoader<PTL>) train_loader_state_ = [&l = train_loader] { return l.state_dict(); };
   fitting_ = true;
   final_loader_state_.reset();
   struct FitScope {  // however the fit ends: the loader's last position kept, nothing left "running"
@@ -73,6 +70,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
       if (t->train_loader_state_) t->final_loader_state_ = t->train_loader_state_();
       t->train_loader_state_ = nullptr;
       t->progress_.in_train_batch = t->progress_.in_epoch_end = false;
+      t->progress_.stop_clock();
     }
   } scope{this};
 
@@ -91,9 +89,8 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
 
     auto go = [&](auto* processed_val) {
       resolve_fit_sizes(train_loader, processed_val);
-      std::optional<detail::ResumePoint> resume;
-      if (!resume_from.empty()) resume = restore(module, train_loader, resume_from);
-      fit_loop(module, ctx, train_loader, processed_val, std::move(resume));
+      fit_loop(module, ctx, train_loader, processed_val,
+               resume_from.empty() ? std::nullopt : std::optional(restore(module, train_loader, resume_from)));
     };
     if constexpr (!std::is_same_v<VL, NoLoader>) {
       decltype(auto) val_loader = detail::process_loader(strategy_, *val, Stage::validate);
@@ -104,6 +101,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
       go(static_cast<NoLoader*>(nullptr));
     }
 
+    writer_.wait();  // the fit's last asynchronous save is in place before teardown
     hook<detail::hooks::teardown>(module, ctx, Stage::train);
     flush_loggers();
     strategy_.teardown();
@@ -115,6 +113,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     } catch (...) {
     }
     try {
+      writer_.wait();  // a save in flight completes (its previous file stays whole either way)
       flush_loggers();
     } catch (...) {  // the run's own error says more
     }

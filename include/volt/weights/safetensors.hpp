@@ -274,6 +274,7 @@ inline uint64_t header_length(const unsigned char* first8, uint64_t size, const 
 template <class Fill>
 at::Tensor make_tensor(const Entry& e, Fill&& fill, const std::string& origin) {
   at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  if (e.end == e.begin) return t;  // no bytes (and perhaps no storage: a null data pointer)
   fill(static_cast<char*>(t.data_ptr()), e.end - e.begin);
   if (e.dtype == at::kBool) {
     const auto* b = static_cast<const unsigned char*>(t.data_ptr());

@@ -290,8 +290,6 @@ class AsyncWriter {
     std::future<void> f = std::move(pending_);
     f.get();
   }
-  /// Whether a save is in flight (submitted and not yet waited for).
-  bool busy() const { return pending_.valid(); }
 
  private:
   std::future<void> pending_;

@@ -7,8 +7,9 @@
 #
 # --deps DIR      .deb files of Boost.MPI/Serialization 1.74 and Catch2 2.13 for a host that lacks them (fetch them
 #                 on a Debian 12 machine with `apt-get download libboost-mpi1.74.0 libboost-mpi1.74-dev
-#                 libboost-serialization1.74.0 libboost-serialization1.74-dev libboost1.74-dev catch2`); unpacked
-#                 into /opt/volt-deps, never into /, so that the host's own Open MPI stays in charge.
+#                 libboost-serialization1.74.0 libboost-serialization1.74-dev libboost1.74-dev catch2
+#                 nlohmann-json3-dev`); unpacked into /opt/volt-deps, never into /, so that the host's own Open
+#                 MPI stays in charge.
 # --data-dir DIR  the four Fashion-MNIST *-ubyte.gz files (default /usr/share/datasets/fashion-mnist); without
 #                 them the quick start is skipped.
 # --with-compile-fail  also run the compile-fail tests (compiler checks, already run on every CPU lane).

@@ -853,6 +853,44 @@ int node_loss_case(const std::string& dir, const std::string& cluster) {
   return 0;
 }
 
+struct JobEnd {
+  std::string state, restarts, seen;  // the last state and restart count read, and every state in turn
+};
+
+// Follows a job that requeues itself to its end, releasing it once it is pending after its requeue (SLURM holds a
+// requeued job). The job's states as scontrol reports them, polled: a requeued job can pass through a terminal state
+// (FAILED, as its first run's batch script ends, killed) before it is pending again, so a terminal state other than
+// the second run's COMPLETED counts only once it has held for 5 s.
+JobEnd follow_requeued_job(const std::string& cluster, const std::string& id,
+                           std::chrono::steady_clock::time_point deadline) {
+  JobEnd end;
+  bool released = false;
+  std::chrono::steady_clock::time_point terminal_since{};
+  bool terminal = false;
+  for (;;) {
+    end.state = job_field(cluster, id, "JobState");
+    end.restarts = job_field(cluster, id, "Restarts");
+    const std::string mark = end.state + "(" + end.restarts + ")";
+    if (!end.seen.ends_with(mark)) end.seen += (end.seen.empty() ? "" : " ") + mark;
+    if (end.state == "COMPLETED" && end.restarts == "1") return end;
+    const auto now = std::chrono::steady_clock::now();
+    const std::string& s = end.state;
+    if (s == "COMPLETED" || s == "FAILED" || s == "CANCELLED" || s == "TIMEOUT" || s == "NODE_FAIL") {
+      if (!terminal) terminal_since = now;
+      terminal = true;
+      if (now - terminal_since > std::chrono::seconds(5)) return end;
+    } else {
+      terminal = false;
+    }
+    if (!released && end.restarts == "1" && s == "PENDING") {
+      run({cluster + "/bin/on", "head", "scontrol", "update", "jobid=" + id, "starttime=now"});
+      released = true;
+    }
+    if (now > deadline) return end;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
 // resume requeue <dir> <cluster-dir> srun|mpirun [-- <mpirun...>]: SLURM's requeue for real, on the emulated cluster
 // (test/cluster/up.sh). The 2-rank sig-fit, one rank on each of 2 hosts, is submitted with `sbatch --requeue`, its
 // batch script starting the ranks with `srun --mpi=pmix` or `exec mpirun`, always with "last" (nothing to resume the
@@ -894,20 +932,10 @@ int requeue_case(const std::string& dir, const std::string& cluster, const std::
   std::cout << "job " << id << ": SIGUSR1 after step " << after << " ($ scancel --signal=USR1" << (how != "srun" ? " --batch " : " ")
             << id << ")" << std::endl;
   if (run(scancel) != 0) fail("scancel failed");
-  bool released = false;
-  std::string state;
-  while (state != "COMPLETED") {
-    state = job_field(cluster, id, "JobState");
-    if (state == "FAILED" || state == "CANCELLED" || state == "TIMEOUT" || state == "NODE_FAIL") break;
-    if (!released && job_field(cluster, id, "Restarts") == "1" && state == "PENDING") {
-      run({cluster + "/bin/on", "head", "scontrol", "update", "jobid=" + id, "starttime=now"});
-      released = true;
-    }
-    if (std::chrono::steady_clock::now() > deadline + std::chrono::seconds(60)) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
+  const JobEnd end = follow_requeued_job(cluster, id, deadline + std::chrono::seconds(60));
+  const std::string &state = end.state, &restarts = end.restarts;
+  std::cout << "job " << id << "'s states (restarts): " << end.seen << std::endl;
   std::cout << "--- the job's output (both runs) ---\n" << std::ifstream(log).rdbuf() << "---" << std::endl;
-  const std::string restarts = job_field(cluster, id, "Restarts");
   if (state != "COMPLETED" || restarts != "1") {
     fail("job " + id + " ended " + state + " after " + restarts + " restarts; expected COMPLETED after 1");
   }

@@ -2,6 +2,7 @@
 // ProgressBar, ModelCheckpoint (top k, every n, file names), and callback state across a resume.
 
 #include "common.hpp"
+#include "support/trace.hpp"
 
 #include <filesystem>
 #include <fstream>
@@ -798,4 +799,98 @@ TEST_CASE("EMAWeightAveraging: checkpoints hold the average as their weights, an
     CHECK(torch::equal(vt::flat_params(trained), loaded));
     CHECK_FALSE(torch::equal(loaded, before));
   }
+}
+
+TEST_CASE("Profiler: self times of nested events, by hand", "[callbacks][profiler]") {
+  // Thread 1: a (0-100 us) holds b (10-40) which holds c (20-30), then d (50-60); thread 2: a again (0-5) alone.
+  using E = volt::detail::TraceEvent;
+  auto ev = [](const char* name, uint64_t thread, uint64_t start_us, uint64_t end_us) {
+    E e;
+    e.name = name;
+    e.thread = thread;
+    e.start_ns = start_us * 1000;
+    e.dur_ns = (end_us - start_us) * 1000;
+    return e;
+  };
+  E memory = ev("[memory]", 1, 15, 15);
+  memory.memory = true;
+  const auto table = volt::detail::op_table(
+      {ev("d", 1, 50, 60), ev("c", 1, 20, 30), ev("a", 2, 0, 5), ev("b", 1, 10, 40), ev("a", 1, 0, 100), memory});
+  std::map<std::string, volt::ProfiledOp> by;
+  for (const auto& op : table) by[op.name] = op;
+  REQUIRE(table.size() == 4);
+  CHECK(table.front().name == "a");  // the slowest by self time first
+  CHECK(by["a"].calls == 2);
+  CHECK(by["a"].total_us == Approx(105));
+  CHECK(by["a"].self_us == Approx(100 - 30 - 10 + 5));
+  CHECK(by["b"].self_us == Approx(30 - 10));
+  CHECK(by["c"].self_us == Approx(10));
+  CHECK(by["d"].self_us == Approx(10));
+}
+
+TEST_CASE("Profiler: a window of training batches, its Chrome trace read back, the table of its ops", "[callbacks][profiler]") {
+  const auto dir = vt::scratch("profiler");
+  auto [x, y] = vt::regression_data(48);
+  {
+    vt::ProfiledNet net;
+    auto t = volt::make_trainer({.max_epochs = 1},
+                                volt::Profiler({.dirpath = dir.string(), .skip_first = 1, .wait = 1, .warmup = 1,
+                                                .active = 3, .record_shapes = true, .profile_memory = true,
+                                                .row_limit = 5}));
+    t.fit(net, make_loader(x, y, 4));  // 12 batches
+    const auto& p = t.callback<volt::Profiler>();
+    CHECK(p.trace_path() == (dir / "trace.rank0.pt.trace.json").string());
+    CHECK(p.steps_recorded() == 3);
+    CHECK(vt::check_profiler_trace(p.trace_path(), 0, {3, 4, 5}, p.summary()) == "");
+    std::ifstream in(p.trace_path());
+    const auto trace = nlohmann::json::parse(in);
+    bool shapes = false, memory = false;
+    for (const auto& e : trace.at("traceEvents")) {
+      if (e.at("name") == "aten::addmm" && e.contains("args")) shapes = shapes || e["args"].contains("Input Dims");
+      if (e.at("name") == "[memory]" && e.at("ph") == "i") memory = memory || e["args"].at("Bytes").get<int64_t>() != 0;
+    }
+    CHECK(shapes);
+    CHECK(memory);
+  }
+  {  // A window past the fit's end: the fit's end writes what it recorded.
+    vt::ProfiledNet net;
+    auto t = volt::make_trainer({.max_epochs = 1},
+                                volt::Profiler({.dirpath = dir.string(), .filename = "short", .wait = 10, .warmup = 0,
+                                                .active = 5, .row_limit = 0}));
+    t.fit(net, make_loader(x, y, 4));
+    const auto& p = t.callback<volt::Profiler>();
+    CHECK(p.steps_recorded() == 2);
+    CHECK(vt::check_profiler_trace(p.trace_path(), 0, {10, 11}, p.summary()) == "");
+  }
+}
+
+namespace {
+struct ThrowAt {
+  int64_t batch;
+  template <class T, class M, class B>
+  void on_train_batch_start(T&, M&, const B&, int64_t i) {
+    if (i == batch) throw std::runtime_error("stop here");
+  }
+};
+}  // namespace
+
+TEST_CASE("Profiler: a fit that fails inside the window stops the profiler; bad options are refused",
+          "[callbacks][profiler]") {
+  const auto dir = vt::scratch("profiler_fail");
+  auto [x, y] = vt::regression_data(32);
+  for (int round = 0; round < 2; ++round) {  // a profiler left running would refuse the second round's start
+    vt::ProfiledNet net;
+    auto t = volt::make_trainer({.max_epochs = 1}, volt::Profiler({.dirpath = dir.string(), .wait = 0, .active = 4}),
+                                ThrowAt{3});
+    CHECK_THROWS_WITH(t.fit(net, make_loader(x, y, 4)), Contains("stop here"));
+    CHECK_FALSE(std::filesystem::exists(dir / "trace.rank0.pt.trace.json"));
+  }
+  vt::ProfiledNet net;
+  auto t = volt::make_trainer({.max_epochs = 1}, volt::Profiler({.dirpath = dir.string(), .wait = 0, .active = 2}));
+  t.fit(net, make_loader(x, y, 4));
+  CHECK(vt::check_profiler_trace((dir / "trace.rank0.pt.trace.json").string(), 0, {1, 2},
+                                 t.callback<volt::Profiler>().summary()) == "");
+  CHECK_THROWS_WITH(volt::Profiler({.active = 0}), Contains("active = 0") && Contains("1 or more"));
+  CHECK_THROWS_WITH(volt::Profiler({.wait = -1}), Contains("wait = -1"));
+  CHECK_THROWS_WITH(volt::Profiler({.filename = "a/b"}), Contains("\"a/b\"") && Contains("without a folder"));
 }

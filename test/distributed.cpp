@@ -33,6 +33,7 @@
 
 #include "../examples/gpt_model.hpp"
 #include "support/models.hpp"
+#include "support/trace.hpp"
 
 #include <sched.h>
 #include <signal.h>
@@ -822,6 +823,27 @@ int metrics_scenario() {
   return failures == 0 ? 0 : 1;
 }
 
+/// The Profiler callback under DDP on every rank: each writes its own trace (the window's batches of its shard) with
+/// the fit loop's ranges, read back with a JSON reader.
+int profiler_scenario() {
+  auto [x, y] = vt::regression_data(64);
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_dist_profiler_" + std::to_string(::getppid()));
+  vt::ProfiledNet net;
+  auto trainer = volt::make_trainer<volt::DDP<volt::Script>>(
+      {.devices = g_world, .max_epochs = 1},
+      volt::Profiler({.dirpath = dir.string(), .wait = 2, .warmup = 1, .active = 2, .row_limit = 8}));
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = 4}));  // 8 batches on each rank
+  const int rank = trainer.strategy().global_rank();
+  const auto& p = trainer.callback<volt::Profiler>();
+  const std::string path = (dir / ("trace.rank" + std::to_string(rank) + ".pt.trace.json")).string();
+  check(p.trace_path() == path, "rank " + std::to_string(rank) + "'s trace at " + path + " (" + p.trace_path() + ")");
+  const std::string problems = vt::check_profiler_trace(path, rank, {3, 4}, p.summary());
+  check(problems.empty(), "rank " + std::to_string(rank) + "'s trace: " + problems);
+  trainer.strategy().barrier();
+  if (trainer.is_global_zero()) std::filesystem::remove_all(dir);
+  return failures == 0 ? 0 : 1;
+}
+
 /// A small GPT (examples/gpt_model.hpp) as a module: next-token loss on windows of tokens, AdamW.
 struct TinyGptImpl : torch::nn::Module {
   gpt::GPT net{nullptr};
@@ -1176,6 +1198,8 @@ const Mode kModes[] = {
     {"zero-unfreeze", ": ZeRO<2> on 2 ranks whose module unfreezes a layer during the fit (refused)",
      [](const std::vector<std::string>&) { return zero_unfreeze_scenario(); }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
+    {"profiler", ": the Profiler callback on 2 ranks: a trace per rank with the fit loop's ranges",
+     [](const std::vector<std::string>&) { return profiler_scenario(); }},
     {"metrics-mixed", ": a name logged with sync_dist on one rank and without on another is refused",
      [](const std::vector<std::string>&) { return metrics_mixed_scenario(); }},
     {"weighted-loss", ": one step of 3 micro-batches on 2 ranks with losses weighted by tokens (DDP, ZeRO<2>)",

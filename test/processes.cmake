@@ -57,6 +57,7 @@ volt_distributed_test(dist.indices.mpirun_padded ${volt_mpirun} ${dist} indices 
 volt_distributed_test(dist.indices.script_relaunch ${dist} indices script 48)
 volt_distributed_test(dist.indices.spawn ${dist} indices spawn 47)
 volt_distributed_test(dist.metrics.mpirun ${volt_mpirun} ${dist} metrics)
+volt_distributed_test(dist.profiler.mpirun ${volt_mpirun} ${dist} profiler)
 volt_distributed_test(dist.checkpointing.mpirun ${volt_mpirun} ${dist} checkpointing)
 volt_distributed_test(dist.weighted_loss.mpirun ${volt_mpirun} ${dist} weighted-loss)
 volt_distributed_test(dist.metrics.mixed_options ${dist} expect-failure 30 "was logged with other options" -- ${volt_mpirun} ${dist} metrics-mixed)

@@ -10,5 +10,6 @@
 #include "volt/callbacks/model_summary.hpp"
 #include "volt/callbacks/progress_bar.hpp"
 #include "volt/callbacks/prediction_writer.hpp"
+#include "volt/callbacks/profiler.hpp"
 #include "volt/callbacks/tensorboard_logger.hpp"
 #include "volt/callbacks/throughput_monitor.hpp"

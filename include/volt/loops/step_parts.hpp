@@ -25,6 +25,7 @@
 #include "volt/optim/gradients.hpp"
 #include "volt/options.hpp"
 
+#include <ATen/record_function.h>
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
@@ -68,7 +69,8 @@ struct StepParts {
   /// `module.training_step(b, ctx)` under the precision's forward context, an error said with where it happened.
   template <class Impl, class B>
   decltype(auto) training_step(Impl& module, Context& ctx, B& b) {
-    [[maybe_unused]] auto guard = precision.forward_context(accelerator_type::device_type);
+    RECORD_USER_SCOPE("volt::training_step");  // a range in a profiler's trace (callbacks/profiler.hpp)
+    [[maybe_unused]] auto autocast = precision.forward_context(accelerator_type::device_type);
     return run_module_step(state, "training_step", [&]() -> decltype(auto) { return module.training_step(b, ctx); });
   }
 
@@ -77,6 +79,7 @@ struct StepParts {
   /// `manual_backward` inside training_step).
   template <class Impl>
   void backward(Impl& module, Context& ctx, const torch::Tensor& loss, bool sync, const char* where) {
+    RECORD_USER_SCOPE("volt::backward");
     hook<hooks::on_before_backward>(module, ctx, loss);
     strategy.pre_backward(sync);
     if (where != nullptr) {
@@ -93,6 +96,7 @@ struct StepParts {
   /// its gradients are not unscaled yet. `Captured`: graph mode's step, nothing read on the host.
   template <bool Captured = false, class Impl, class O>
   bool optimizer_step(Impl& module, Context& ctx, O& optimizer, bool unscale = true) {
+    RECORD_USER_SCOPE("volt::optimizer_step");
     if (unscale) precision.unscale_gradients(optimizer);
     hook<hooks::on_before_optimizer_step>(module, ctx, static_cast<torch::optim::Optimizer&>(optimizer));
     if (const auto& clip = options.gradient_clip_val; clip && *clip > 0.0) {

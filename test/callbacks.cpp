@@ -894,3 +894,106 @@ TEST_CASE("Profiler: a fit that fails inside the window stops the profiler; bad 
   CHECK_THROWS_WITH(volt::Profiler({.wait = -1}), Contains("wait = -1"));
   CHECK_THROWS_WITH(volt::Profiler({.filename = "a/b"}), Contains("\"a/b\"") && Contains("without a folder"));
 }
+
+namespace {
+/// A backbone (a pretrained part) and a head; its optimizer takes the parameters that require gradients, as
+/// Lightning's documentation of BackboneFinetuning asks.
+struct FinetuneNetImpl : torch::nn::Module {
+  torch::nn::Sequential backbone{nullptr};
+  torch::nn::Linear head{nullptr};
+  FinetuneNetImpl() {
+    torch::manual_seed(4);
+    backbone = register_module("backbone", torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::Tanh()));
+    head = register_module("head", torch::nn::Linear(8, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(backbone->forward(x)); }
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    return vt::mse(forward(b.data), b.target);
+  }
+  torch::optim::SGD configure_optimizers() {
+    std::vector<torch::Tensor> trainable;
+    for (const auto& p : parameters()) {
+      if (p.requires_grad()) trainable.push_back(p);
+    }
+    return torch::optim::SGD(trainable, torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+};
+TORCH_MODULE(FinetuneNet);
+
+struct GroupRates {
+  std::vector<double>* rates;
+  template <class T, class M>
+  void on_train_epoch_end(T& trainer, M&) {
+    rates->push_back(trainer.optimizer()->param_groups().back().options().get_lr());
+  }
+};
+
+volt::BackboneFinetuning finetuning() {
+  return volt::BackboneFinetuning({.unfreeze_backbone_at_epoch = 2, .lambda_func = [](int64_t) { return 3.0; }});
+}
+}  // namespace
+
+TEST_CASE("BackboneFinetuning: the backbone frozen, then trained at its own growing rate, as a hand-written loop",
+          "[callbacks][finetuning]") {
+  auto [x, y] = vt::regression_data(16);
+  std::vector<double> rates;
+  FinetuneNet net;
+  auto t = volt::make_trainer({.max_epochs = 6}, finetuning(), GroupRates{&rates});
+  t.fit(net, make_loader(x, y, 4));
+  // Lightning's rule: 0.1 x 0.1 at epoch 2, then x3 each epoch, at most the head's 0.1 (should_align).
+  REQUIRE(rates.size() == 6);
+  const std::vector<double> want = {0.0, 0.0, 0.01, 0.03, 0.09, 0.1};
+  for (std::size_t e = 0; e < want.size(); ++e) CHECK(rates[e] == Approx(want[e]).margin(1e-15));
+  CHECK(t.callback<volt::BackboneFinetuning>().backbone_lr() == Approx(0.1));
+
+  // The reference: Lightning's BackboneFinetuning by hand, the backbone's group added when it unfreezes.
+  FinetuneNet ref;
+  for (auto& p : ref->backbone->parameters()) p.set_requires_grad(false);
+  torch::optim::SGD opt(ref->head->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  double previous = 0.0;
+  for (int64_t epoch = 0; epoch < 6; ++epoch) {
+    if (epoch == 2) {
+      for (auto& p : ref->backbone->parameters()) p.set_requires_grad(true);
+      previous = 0.1 * 0.1;
+      auto options = std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(previous).momentum(0.9));
+      opt.add_param_group(torch::optim::OptimizerParamGroup(ref->backbone->parameters(), std::move(options)));
+    } else if (epoch > 2) {
+      previous = std::min(3.0 * previous, 0.1);
+      opt.param_groups()[1].options().set_lr(previous);
+    }
+    for (auto batch : make_loader(x, y, 4)) {
+      opt.zero_grad();
+      vt::mse(ref->forward(batch.data), batch.target).backward();
+      opt.step();
+    }
+  }
+  CHECK(torch::equal(vt::flat_params(*net), vt::flat_params(*ref)));
+  FinetuneNet initial;
+  CHECK_FALSE(torch::equal(net->backbone->parameters()[0], initial->backbone->parameters()[0]));  // it did train
+}
+
+TEST_CASE("BackboneFinetuning: a fit resumed before, at and after the unfreezing ends bit-identical",
+          "[callbacks][finetuning]") {
+  const fs::path dir = scratch("finetune_resume");
+  auto [x, y] = vt::regression_data(16);
+  FinetuneNet whole;
+  auto a = volt::make_trainer({.max_epochs = 6}, finetuning(),
+                              volt::ModelCheckpoint({.dirpath = dir.string(), .filename = "{step}", .save_top_k = -1,
+                                                     .every_n_train_steps = 1}));
+  a.fit(whole, make_loader(x, y, 4));  // 4 batches an epoch
+  for (const int step : {6, 8, 10, 13, 16}) {
+    INFO("resumed from step " << step);
+    FinetuneNet resumed;
+    auto b = volt::make_trainer({.max_epochs = 6}, finetuning());
+    b.fit(resumed, make_loader(x, y, 4), (dir / ("step=" + std::to_string(step) + ".ckpt")).string());
+    CHECK(torch::equal(vt::flat_params(*resumed), vt::flat_params(*whole)));
+    CHECK(b.callback<volt::BackboneFinetuning>().backbone_lr() ==
+          a.callback<volt::BackboneFinetuning>().backbone_lr());
+    for (const auto& p : resumed->backbone->parameters()) CHECK(p.requires_grad());
+  }
+  FinetuneNet net;
+  auto bad = volt::make_trainer({.max_epochs = 1}, volt::BackboneFinetuning({.backbone = "features"}));
+  CHECK_THROWS_WITH(bad.fit(net, make_loader(x, y, 4)),
+                    Contains("no submodule \"features\"") && Contains("backbone, head"));
+  CHECK_THROWS_WITH(volt::BackboneFinetuning({.unfreeze_backbone_at_epoch = -1}), Contains("= -1"));
+}

@@ -1,5 +1,6 @@
 #pragma once
 /// \file Callbacks shipped with volt (see callbacks/concept.hpp for every hook).
+#include "volt/callbacks/backbone_finetuning.hpp"
 #include "volt/callbacks/concept.hpp"
 #include "volt/callbacks/csv_logger.hpp"
 #include "volt/callbacks/device_stats_monitor.hpp"

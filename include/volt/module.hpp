@@ -19,6 +19,7 @@
 /// | hook | arguments (before the optional Context&) |
 /// |---|---|
 /// | `setup`, `teardown` | `Stage` |
+/// | `on_optimizers_configured` | | in fit, after `configure_optimizers`, before a checkpoint's state is loaded |
 /// | `on_fit_start/end`, `on_train_start/end`, `on_validation_start/end`, `on_test_start/end`, `on_predict_start/end` | none |
 /// | `on_train_epoch_start/end`, `on_validation_epoch_start/end`, `on_test_epoch_start/end`, `on_predict_epoch_start/end` | none |
 /// | `on_train_batch_start` | `batch, batch_idx`; returning -1 (an integer) ends the epoch early |

@@ -61,10 +61,9 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
   };
   train_loader_state_ = nullptr;  // the training loader's position, where it keeps one
   if constexpr (data::PositionedLoader<PTL>) train_loader_state_ = [&l = train_loader] { return l.state_dict(); };
-  fitting_ = true;
-  final_loader_state_.reset();
   struct FitScope {  // however the fit ends: the loader's last position kept, nothing left "running"
     Trainer* t;
+    explicit FitScope(Trainer* trainer) : t(trainer) { t->fitting_ = true; t->final_loader_state_.reset(); }
     ~FitScope() {
       t->fitting_ = false;
       if (t->train_loader_state_) t->final_loader_state_ = t->train_loader_state_();
@@ -72,7 +71,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
       t->progress_.in_train_batch = t->progress_.in_epoch_end = false;
       t->progress_.stop_clock();
     }
-  } scope{this};
+  } scope(this);
 
   cluster::SignalScope signals(options_.signals);  // SIGTERM, SIGINT, the requeue signal: checkpoint and stop
   std::optional<torch::autograd::DetectAnomalyGuard> anomaly;  // detect_anomaly: LibTorch's anomaly mode while fitting
@@ -83,6 +82,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     ckpt_path_ = resume_from;
     hook<detail::hooks::setup>(module, ctx, Stage::train);
     optim_ = detail::scheduled_optimizers(module.configure_optimizers());
+    hook<detail::hooks::on_optimizers_configured>(module, ctx);  // parameter groups may be added (BackboneFinetuning)
     for (auto& o : optim_) strategy_.setup_optimizer(o.optimizer());  // ZeRO: this rank's pieces
     params_ = module.parameters();
     progress_.keeps_grads = manual_optimization<Impl>;

@@ -23,10 +23,6 @@ void write_regressor_checkpoint(const fs::path& path, vt::Regressor& model) {
   trainer.save_checkpoint(path.string());
 }
 
-std::vector<char> read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 void write_bytes(const fs::path& p, const std::vector<char>& b) {
   std::ofstream(p, std::ios::binary).write(b.data(), static_cast<std::streamsize>(b.size()));
 }
@@ -55,7 +51,7 @@ TEST_CASE("checkpoint files: round trip, and clear errors for missing, empty, cu
   CHECK(fs::directory_iterator(dir) != fs::directory_iterator());
   for (const auto& e : fs::directory_iterator(dir)) CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
 
-  const auto bytes = read_bytes(good);
+  const auto bytes = vt::read_bytes(good);
   auto expect_error = [&](const fs::path& p, const std::string& what) {
     INFO(p);
     try {
@@ -498,14 +494,6 @@ struct WideNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(WideNet);
 
-/// The weight after each optimizer step, by step; placed before ModelCheckpoint, so it runs before that step's save.
-struct WeightLog {
-  std::map<int64_t, torch::Tensor>* by_step;
-  template <class T, class M, class B>
-  void on_train_batch_end(T& trainer, M& module, const torch::Tensor&, const B&, int64_t) {
-    (*by_step)[trainer.global_step()] = module.lin->weight.detach().clone();
-  }
-};
 
 }  // namespace
 
@@ -517,7 +505,7 @@ TEST_CASE("asynchronous saves: the state at the save point, the bytes of a synch
   std::map<int64_t, torch::Tensor> weights;
   WideNet net;
   auto trainer = volt::make_trainer(
-      {.max_epochs = 2}, WeightLog{&weights},
+      {.max_epochs = 2}, vt::WeightLog{&weights},
       volt::ModelCheckpoint({.dirpath = (dir / "steps").string(), .filename = "{step}", .save_top_k = -1,
                              .every_n_train_steps = 1, .async_save = true}));
   trainer.fit(net, make_loader(x, y, 8));
@@ -535,8 +523,8 @@ TEST_CASE("asynchronous saves: the state at the save point, the bytes of a synch
   trainer.save_checkpoint(std::vector<std::string>{(dir / "async.ckpt").string(), (dir / "async2.ckpt").string()},
                           {.async_save = true});
   trainer.wait_for_checkpoint();
-  CHECK(read_bytes(dir / "sync.ckpt") == read_bytes(dir / "async.ckpt"));
-  CHECK(read_bytes(dir / "sync.ckpt") == read_bytes(dir / "async2.ckpt"));
+  CHECK(vt::read_bytes(dir / "sync.ckpt") == vt::read_bytes(dir / "async.ckpt"));
+  CHECK(vt::read_bytes(dir / "sync.ckpt") == vt::read_bytes(dir / "async2.ckpt"));
   // A write that fails on the writer's thread is thrown by the next wait, naming the file; the training thread goes on.
   trainer.save_checkpoint(std::vector<std::string>{"/proc/volt-cannot/x.ckpt"}, {.async_save = true});
   CHECK_THROWS_WITH(trainer.wait_for_checkpoint(), Contains("/proc/volt-cannot") && Contains("folder"));
@@ -623,7 +611,7 @@ TEST_CASE("safetensors: the bytes the format's rules give, by hand, and a round 
   const float one_two[2] = {1.0f, 2.0f};
   std::memcpy(data.data(), &seven, 8);
   std::memcpy(data.data() + 8, one_two, 8);
-  const auto written = read_bytes(dir / "two.safetensors");
+  const auto written = vt::read_bytes(dir / "two.safetensors");
   CHECK(std::string(written.begin(), written.end()) == safetensors_bytes(header, data));
 
   volt::TensorFile all;
@@ -640,7 +628,7 @@ TEST_CASE("safetensors: the bytes the format's rules give, by hand, and a round 
     REQUIRE(by_name.count(name));
     CHECK(same_tensor(by_name[name], t.contiguous()));
   }
-  const auto bytes = read_bytes(dir / "all.safetensors");
+  const auto bytes = vt::read_bytes(dir / "all.safetensors");
   const volt::TensorFile decoded = volt::safetensors::decode(bytes.data(), bytes.size(), "memory");
   REQUIRE(decoded.tensors.size() == back.tensors.size());
   for (std::size_t i = 0; i < decoded.tensors.size(); ++i) CHECK(same_tensor(decoded.tensors[i].second, back.tensors[i].second));

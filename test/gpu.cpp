@@ -251,18 +251,6 @@ struct AdamNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(AdamNet);
 
-struct GpuWeightLog {
-  std::map<int64_t, torch::Tensor>* by_step;
-  template <class T, class M, class B>
-  void on_train_batch_end(T& trainer, M& module, const torch::Tensor&, const B&, int64_t) {
-    (*by_step)[trainer.global_step()] = module.lin->weight.detach().cpu();
-  }
-};
-
-std::string file_bytes(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 }  // namespace
 
 TEST_CASE("GPU asynchronous saves: CUDA state copied into pinned memory at the save point, the bytes of a sync save",
@@ -273,7 +261,7 @@ TEST_CASE("GPU asynchronous saves: CUDA state copied into pinned memory at the s
   std::map<int64_t, torch::Tensor> weights;
   AdamNet net;
   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::GPU>(
-      {.max_epochs = 2}, GpuWeightLog{&weights},
+      {.max_epochs = 2}, vt::WeightLog{&weights},
       volt::ModelCheckpoint({.dirpath = (dir / "steps").string(), .filename = "{step}", .save_top_k = -1,
                              .every_n_train_steps = 1, .async_save = true}));
   trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = 8}));
@@ -291,6 +279,6 @@ TEST_CASE("GPU asynchronous saves: CUDA state copied into pinned memory at the s
   trainer.save_checkpoint((dir / "sync.ckpt").string());
   trainer.save_checkpoint(std::vector<std::string>{(dir / "async.ckpt").string()}, {.async_save = true});
   trainer.wait_for_checkpoint();
-  CHECK(file_bytes(dir / "sync.ckpt") == file_bytes(dir / "async.ckpt"));
-  CHECK(file_bytes(dir / "sync.ckpt").size() > 2 * 256 * 256 * 4);  // weights and Adam's two moments at least
+  CHECK(vt::read_bytes(dir / "sync.ckpt") == vt::read_bytes(dir / "async.ckpt"));
+  CHECK(vt::read_bytes(dir / "sync.ckpt").size() > 2 * 256 * 256 * 4);  // weights and Adam's two moments at least
 }

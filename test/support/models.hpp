@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -264,5 +265,22 @@ struct MaskedLMImpl : torch::nn::Module {
   torch::optim::SGD configure_optimizers() { return torch::optim::SGD(parameters(), torch::optim::SGDOptions(lr)); }
 };
 TORCH_MODULE(MaskedLM);
+
+/// A file's bytes.
+inline std::vector<char> read_bytes(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+/// The weight `module.lin` has after each optimizer step, by step, copied to the CPU; placed before ModelCheckpoint,
+/// so it runs before that step's save.
+struct WeightLog {
+  std::map<int64_t, torch::Tensor>* by_step;
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M& module, const torch::Tensor&, const B&, int64_t) {
+    (*by_step)[trainer.global_step()] = module.lin->weight.detach().to(torch::kCPU, /*non_blocking=*/false,
+                                                                        /*copy=*/true);
+  }
+};
 
 }  // namespace vt

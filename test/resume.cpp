@@ -41,6 +41,7 @@
 #include <iostream>
 #include <map>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -659,7 +660,10 @@ int signal_case(const std::string& kase, const std::string& dir, const std::vect
   const bool requeues = kase == "single" || kase == "usr1-one-rank";
   const std::string bin = dir + "/bin", requeued = dir + "/requeued";
   fs::create_directories(bin);
-  std::ofstream(bin + "/scontrol") << "#!/bin/sh\necho \"$@\" >> '" << requeued << "'\n";
+  // SLURM signals every process of a job step, and the signal can reach rank zero's host after the ranks agreed on
+  // another's (usr1-one-rank: rank 1's): the stand-in is sent the stop signal too before it writes, as scontrol is.
+  std::ofstream(bin + "/scontrol") << "#!/bin/sh\nkill -s " << volt::cluster::signal_name(sig).substr(3) << " $$\necho \"$@\" >> '"
+                                   << requeued << "'\n";
   fs::permissions(bin + "/scontrol", fs::perms::owner_all);
   std::vector<std::string> env;
   if (requeues) env = {"VOLT_TEST_SCONTROL=" + bin + "/scontrol", "SLURM_JOB_ID=4242"};
@@ -853,6 +857,25 @@ int node_loss_case(const std::string& dir, const std::string& cluster) {
   return 0;
 }
 
+// What the cluster's SLURM daemons logged about job `id` (slurmctld's and each slurmd's lines naming it), to say
+// what SLURM did when a job ends otherwise than expected.
+std::string slurm_log_about(const std::string& cluster, const std::string& id) {
+  const std::regex about("JobId=" + id + "([^0-9]|$)|StepId=" + id + "\\.|[Jj]ob " + id + "([^0-9]|$)");
+  std::vector<fs::path> logs;
+  for (const auto& e : fs::directory_iterator(cluster + "/log")) {
+    if (e.path().filename().string().starts_with("slurm")) logs.push_back(e.path());
+  }
+  std::sort(logs.begin(), logs.end());
+  std::string out;
+  for (const auto& file : logs) {
+    std::ifstream in(file);
+    for (std::string line; std::getline(in, line);) {
+      if (std::regex_search(line, about)) out += file.filename().string() + ": " + line + "\n";
+    }
+  }
+  return out;
+}
+
 struct JobEnd {
   std::string state, restarts, seen;  // the last state and restart count read, and every state in turn
 };
@@ -937,6 +960,7 @@ int requeue_case(const std::string& dir, const std::string& cluster, const std::
   std::cout << "job " << id << "'s states (restarts): " << end.seen << std::endl;
   std::cout << "--- the job's output (both runs) ---\n" << std::ifstream(log).rdbuf() << "---" << std::endl;
   if (state != "COMPLETED" || restarts != "1") {
+    std::cout << "--- what SLURM logged about job " << id << " ---\n" << slurm_log_about(cluster, id) << "---" << std::endl;
     fail("job " + id + " ended " + state + " after " + restarts + " restarts; expected COMPLETED after 1");
   }
   const std::string ckpt = run_dir + "/ckpt/interrupted.ckpt";

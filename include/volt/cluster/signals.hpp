@@ -115,17 +115,31 @@ inline bool should_requeue(const SignalOptions& options, int sig) {
   return options.auto_requeue && job != nullptr && *job != '\0' && sig != SIGINT;
 }
 
-/// Runs `<scontrol> requeue $SLURM_JOB_ID` (`scontrol` looked up on PATH unless it names a path) and waits up to
-/// 60 s. Returns "" on success, else what went wrong.
-inline std::string requeue_slurm_job(const std::string& scontrol) {
+/// Runs `<options.scontrol> requeue $SLURM_JOB_ID` (looked up on PATH unless it names a path) and waits up to 60 s.
+/// Returns "" on success, else what went wrong.
+///
+/// scontrol starts with the stop signals blocked (SIGTERM, SIGINT, the requeue signal): it is part of the job step,
+/// and the signal that stops the fit can reach this host after another rank's copy already did (the ranks agree on
+/// the first), so SLURM's delivery to every process of the step would otherwise end scontrol before it requeues.
+inline std::string requeue_slurm_job(const SignalOptions& options) {
+  const std::string& scontrol = options.scontrol;
   const char* job = std::getenv("SLURM_JOB_ID");
   if (job == nullptr || *job == '\0') return "SLURM_JOB_ID is not set";
   std::string a0 = scontrol, a1 = "requeue", a2 = job;
   char* argv[] = {a0.data(), a1.data(), a2.data(), nullptr};
-  pid_t pid = 0;
-  if (const int rc = ::posix_spawnp(&pid, scontrol.c_str(), nullptr, nullptr, argv, environ); rc != 0) {
-    return "could not start " + scontrol + ": " + std::string(std::strerror(rc));
+  posix_spawnattr_t attr;
+  ::posix_spawnattr_init(&attr);
+  sigset_t blocked;
+  sigemptyset(&blocked);
+  for (const int sig : {SIGTERM, SIGINT, options.requeue_signal}) {
+    if (sig != 0) sigaddset(&blocked, sig);
   }
+  ::posix_spawnattr_setsigmask(&attr, &blocked);
+  ::posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+  pid_t pid = 0;
+  const int rc = ::posix_spawnp(&pid, scontrol.c_str(), nullptr, &attr, argv, environ);
+  ::posix_spawnattr_destroy(&attr);
+  if (rc != 0) return "could not start " + scontrol + ": " + std::string(std::strerror(rc));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   int status = 0;
   for (;;) {

@@ -51,7 +51,7 @@ void Trainer<S, P, A, Cs...>::stop_if_asked() {
   }
   std::string requeue;
   if (strategy_.is_global_zero() && cluster::should_requeue(options_.signals, sig)) {
-    const std::string failed = cluster::requeue_slurm_job(options_.signals.scontrol);
+    const std::string failed = cluster::requeue_slurm_job(options_.signals);
     requeue = failed.empty() ? " SLURM job " + std::string(std::getenv("SLURM_JOB_ID")) + " requeued."
                              : " The SLURM job could not be requeued: " + failed + ".";
   }

@@ -798,6 +798,54 @@ TEST_CASE("freeze and unfreeze: gradients and batch norms as Lightning's BaseFin
   CHECK_FALSE(torch::equal(bn->running_mean, mean));  // tracking again
 }
 
+TEST_CASE("ModelCheckpoint's safetensors beside each checkpoint: its weights, EMA's average, deleted with it",
+          "[weights]") {
+  auto [x, y] = vt::regression_data(64);
+  for (const bool async : {false, true}) {
+    INFO("async_save " << async);
+    const fs::path dir = scratch(async ? "beside_async" : "beside_sync");
+    std::map<int64_t, torch::Tensor> weights;
+    vt::Regressor m;
+    auto t = volt::make_trainer(
+        {.max_epochs = 3, .log_every_n_steps = 1, .default_root_dir = dir.string()}, vt::WeightLog{&weights},
+        volt::EMAWeightAveraging({.decay = 0.7}),
+        volt::ModelCheckpoint({.filename = "{step}", .monitor = "train_loss", .save_top_k = 2, .save_last = true,
+                               .every_n_train_steps = 3, .async_save = async, .save_safetensors = true}));
+    t.fit(m, make_loader(x, y, 8));  // 24 steps, a save every 3: 8 ranked, 2 kept, and last
+    REQUIRE(weights.size() == 24);
+    // By hand: the average after each step (decay 0.7, from the first step), in float64.
+    std::map<int64_t, torch::Tensor> average;
+    torch::Tensor avg = weights.at(1).to(torch::kDouble);
+    for (const auto& [step, w] : weights) average[step] = avg = step == 1 ? avg : 0.7 * avg + 0.3 * w.to(torch::kDouble);
+    std::set<std::string> ckpts, beside;
+    for (const auto& e : fs::directory_iterator(dir / "checkpoints")) {
+      (e.path().extension() == ".ckpt" ? ckpts : beside).insert(e.path().stem().string());
+    }
+    CHECK(ckpts.size() == 3);
+    CHECK(ckpts.count("last") == 1);
+    CHECK(ckpts == beside);  // every checkpoint has its weights file; those that left the top k took theirs along
+    for (const auto& stem : ckpts) {
+      INFO(stem);
+      const auto ckpt = volt::checkpoint::read((dir / "checkpoints" / (stem + ".ckpt")).string());
+      const auto file = volt::safetensors::read((dir / "checkpoints" / (stem + ".safetensors")).string());
+      CHECK(file.metadata == std::map<std::string, std::string>{{"format", "pt"}});
+      const auto state = ckpt.at("state_dict").toGenericDict();
+      REQUIRE(file.tensors.size() == state.size());
+      for (const auto& [name, tensor] : file.tensors) {
+        INFO(name);
+        REQUIRE(state.contains(name));
+        CHECK(same_tensor(tensor, state.at(name).toTensor()));
+      }
+      const int64_t step = ckpt.at("loops").toGenericDict().at("global_step").toInt();
+      const auto lin = std::find_if(file.tensors.begin(), file.tensors.end(),
+                                    [](const auto& e) { return e.first == "lin.weight"; });
+      REQUIRE(lin != file.tensors.end());
+      CHECK(torch::allclose(lin->second.to(torch::kDouble), average.at(step), 1e-6, 1e-7));  // the average, ...
+      CHECK_FALSE(torch::allclose(lin->second, weights.at(step), 1e-4, 1e-5));  // not that step's weights
+    }
+  }
+}
+
 TEST_CASE("safetensors files for Python to read", "[.safetensors_export]") {
   const char* dir_env = std::getenv("VOLT_EXPORT_DIR");
   REQUIRE(dir_env != nullptr);
@@ -819,6 +867,16 @@ TEST_CASE("safetensors files for Python to read", "[.safetensors_export]") {
   const auto x = torch::randn({5, 4});
   volt::safetensors::write((dir / "io.safetensors").string(),
                            {.tensors = {{"input", x}, {"output", net->forward(x).detach()}}, .metadata = {}});
+  // ModelCheckpoint's files: checkpoints with their weights as safetensors beside them, the later averaged by EMA.
+  auto [rx, ry] = vt::regression_data(32);
+  vt::Regressor r;
+  fs::remove_all(dir / "ckpt");
+  auto t = volt::make_trainer({.max_epochs = 2},
+                              volt::EMAWeightAveraging({.decay = 0.5, .update_starting_at_step = 3}),
+                              volt::ModelCheckpoint({.dirpath = (dir / "ckpt").string(), .save_top_k = -1,
+                                                     .save_last = true, .every_n_train_steps = 2,
+                                                     .save_safetensors = true}));
+  t.fit(r, make_loader(rx, ry, 8));
 }
 
 TEST_CASE("safetensors files Python wrote", "[.safetensors_import]") {

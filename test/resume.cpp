@@ -914,6 +914,50 @@ JobEnd follow_requeued_job(const std::string& cluster, const std::string& id,
   }
 }
 
+struct RequeuedRun {
+  JobEnd end;
+  std::string id, output;  // the job's id and its output (both runs)
+  int64_t after = 0;       // the step after which it was signalled
+};
+
+// One submission of the requeue case's job: the script started by `how`, SIGUSR1 after a random step, followed to
+// its end (test/resume.cpp's requeue_case below).
+RequeuedRun submit_signalled_job(const std::string& dir, const std::string& cluster, const std::string& how) {
+  const std::string run_dir = dir + "/run", out = dir + "/out.ckpt", script = dir + "/job.sh", log = dir + "/job.out";
+  fs::remove_all(run_dir);
+  fs::remove(log);
+  const std::string start_ranks = how == "srun" ? "srun --mpi=pmix" : "exec mpirun --allow-run-as-root --bind-to none";
+  std::ofstream(script) << "#!/bin/sh\nexport VOLT_TEST_NODES=2\n"
+                        << "echo \"run with SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}\"\n"
+                        << start_ranks << " '" << self_exe() << "' sig-fit ddp '" << run_dir << "' '" << out
+                        << "' 40 last\n";
+  const std::string job = capture({cluster + "/bin/on", "head", "sbatch", "--parsable", "--requeue", "-N2", "-n2",
+                                   "--open-mode=append", "-o", log, script});
+  if (job.empty() || job.find_first_not_of("0123456789\n") != std::string::npos) fail("sbatch said: " + job);
+  RequeuedRun r;
+  r.id = job.substr(0, job.find('\n'));
+  std::mt19937 rng(std::random_device{}());
+  r.after = std::uniform_int_distribution<int64_t>(2, 18)(rng);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (read_number(run_dir + "/progress") < r.after) {
+    if (std::chrono::steady_clock::now() > deadline) fail("job " + r.id + " did not reach step " + std::to_string(r.after));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::vector<std::string> scancel = {cluster + "/bin/on", "head", "scancel", "--signal=USR1"};
+  if (how != "srun") scancel.push_back("--batch");
+  scancel.push_back(r.id);
+  std::cout << "job " << r.id << ": SIGUSR1 after step " << r.after << " ($ scancel --signal=USR1"
+            << (how != "srun" ? " --batch " : " ") << r.id << ")" << std::endl;
+  if (run(scancel) != 0) fail("scancel failed");
+  r.end = follow_requeued_job(cluster, r.id, deadline + std::chrono::seconds(60));
+  std::ostringstream output;
+  output << std::ifstream(log).rdbuf();
+  r.output = output.str();
+  std::cout << "job " << r.id << "'s states (restarts): " << r.end.seen << std::endl;
+  std::cout << "--- the job's output (both runs) ---\n" << r.output << "---" << std::endl;
+  return r;
+}
+
 // resume requeue <dir> <cluster-dir> srun|mpirun [-- <mpirun...>]: SLURM's requeue for real, on the emulated cluster
 // (test/cluster/up.sh). The 2-rank sig-fit, one rank on each of 2 hosts, is submitted with `sbatch --requeue`, its
 // batch script starting the ranks with `srun --mpi=pmix` or `exec mpirun`, always with "last" (nothing to resume the
@@ -921,7 +965,9 @@ JobEnd follow_requeued_job(const std::string& cluster, const std::string& id,
 // steps (srun), `scancel --batch --signal=USR1` to the batch shell, which mpirun forwards (mpirun). volt must save,
 // run the real `scontrol requeue`, and the job must run again (Restarts=1; SLURM holds a requeued job, which the test
 // releases with `scontrol update starttime=now`) and resume: the weights bit-identical to an uninterrupted run's
-// (under the given mpirun, on this host), the metric rows of both runs together that run's rows.
+// (under the given mpirun, on this host), the metric rows of both runs together that run's rows. A job that SLURM
+// requeued but then failed without starting its script again (no second "run with" line: no volt code ran) is
+// submitted once more, with what SLURM logged about it printed; a second such failure fails.
 int requeue_case(const std::string& dir, const std::string& cluster, const std::string& how,
                  const std::vector<std::string>& mpirun) {
   fs::remove_all(dir);
@@ -932,33 +978,18 @@ int requeue_case(const std::string& dir, const std::string& cluster, const std::
     ref.push_back(a);
   }
   if (run(ref) != 0) fail("the uninterrupted run failed");
-  const std::string run_dir = dir + "/run", out = dir + "/out.ckpt", script = dir + "/job.sh", log = dir + "/job.out";
-  const std::string start_ranks = how == "srun" ? "srun --mpi=pmix" : "exec mpirun --allow-run-as-root --bind-to none";
-  std::ofstream(script) << "#!/bin/sh\nexport VOLT_TEST_NODES=2\n"
-                        << "echo \"run with SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}\"\n"
-                        << start_ranks << " '" << self_exe() << "' sig-fit ddp '" << run_dir << "' '" << out
-                        << "' 40 last\n";
-  const std::string job = capture({cluster + "/bin/on", "head", "sbatch", "--parsable", "--requeue", "-N2", "-n2",
-                                   "--open-mode=append", "-o", log, script});
-  if (job.empty() || job.find_first_not_of("0123456789\n") != std::string::npos) fail("sbatch said: " + job);
-  const std::string id = job.substr(0, job.find('\n'));
-  std::mt19937 rng(std::random_device{}());
-  const int64_t after = std::uniform_int_distribution<int64_t>(2, 18)(rng);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
-  while (read_number(run_dir + "/progress") < after) {
-    if (std::chrono::steady_clock::now() > deadline) fail("job " + id + " did not reach step " + std::to_string(after));
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const std::string run_dir = dir + "/run", out = dir + "/out.ckpt";
+  RequeuedRun r = submit_signalled_job(dir, cluster, how);
+  const bool not_restarted = r.end.state == "FAILED" && r.end.restarts == "1" &&
+                             r.output.find("SLURM_RESTART_COUNT=1") == std::string::npos;
+  if (not_restarted) {
+    std::cout << "--- what SLURM logged about job " << r.id << " ---\n" << slurm_log_about(cluster, r.id) << "---\n"
+              << "job " << r.id << " was requeued, then failed without its script starting again; submitting the "
+              << "job once more" << std::endl;
+    r = submit_signalled_job(dir, cluster, how);
   }
-  std::vector<std::string> scancel = {cluster + "/bin/on", "head", "scancel", "--signal=USR1"};
-  if (how != "srun") scancel.push_back("--batch");
-  scancel.push_back(id);
-  std::cout << "job " << id << ": SIGUSR1 after step " << after << " ($ scancel --signal=USR1" << (how != "srun" ? " --batch " : " ")
-            << id << ")" << std::endl;
-  if (run(scancel) != 0) fail("scancel failed");
-  const JobEnd end = follow_requeued_job(cluster, id, deadline + std::chrono::seconds(60));
-  const std::string &state = end.state, &restarts = end.restarts;
-  std::cout << "job " << id << "'s states (restarts): " << end.seen << std::endl;
-  std::cout << "--- the job's output (both runs) ---\n" << std::ifstream(log).rdbuf() << "---" << std::endl;
+  const std::string &id = r.id, &state = r.end.state, &restarts = r.end.restarts;
+  const int64_t after = r.after;
   if (state != "COMPLETED" || restarts != "1") {
     std::cout << "--- what SLURM logged about job " << id << " ---\n" << slurm_log_about(cluster, id) << "---" << std::endl;
     fail("job " + id + " ended " + state + " after " + restarts + " restarts; expected COMPLETED after 1");
@@ -970,7 +1001,7 @@ int requeue_case(const std::string& dir, const std::string& cluster, const std::
   if (!identical(dir + "/ref.ckpt", out, &why)) fail("requeued and resumed from step " + std::to_string(saved) + ": " + why);
   auto ref_rows = vt::csv_rows(dir + "/ref/logs/version_0/metrics.csv");
   auto rows = vt::csv_rows(run_dir + "/logs/version_0/metrics.csv");
-  for (auto& r : vt::csv_rows(run_dir + "/logs/version_1/metrics.csv")) rows.push_back(std::move(r));
+  for (auto& row : vt::csv_rows(run_dir + "/logs/version_1/metrics.csv")) rows.push_back(std::move(row));
   std::sort(rows.begin(), rows.end());
   if (rows != ref_rows) fail("the metric rows of both runs are not the uninterrupted run's");
   std::cout << "requeue (" << how << "): SIGUSR1 after step " << after << ", checkpoint at step " << saved

@@ -6,8 +6,11 @@ and torch, and writes files for volt to read back ("[.safetensors_import]"). Usa
 - Python's safetensors writing the same tensors with the same metadata gives volt's file byte for byte;
 - the network's weights load into a PyTorch network of the same shape (strict), whose output on volt's input equals
   volt's output;
+- each checkpoint ModelCheckpoint wrote with save_safetensors has its weights file beside it, the checkpoint's
+  state_dict (read with torch.load) tensor for tensor;
 - then this side's own files: every dtype this torch has, with metadata, and another network's weights, input and
   output. Prints MISMATCH on any difference."""
+import os
 import sys
 
 import torch
@@ -88,6 +91,37 @@ def check_volt_files(folder):
     return bad
 
 
+def load_checkpoint(path):
+    """torch.load as a careful user on PyTorch >= 2.6 calls it (test/torch_load_check.py's load)."""
+    if hasattr(torch.serialization, "safe_globals"):
+        from torch.jit import _pickle
+        builders = [_pickle.restore_type_tag, _pickle.build_tensorlist, _pickle.build_intlist,
+                    _pickle.build_doublelist, _pickle.build_boollist]
+        with torch.serialization.safe_globals(builders):
+            return torch.load(path, weights_only=True)
+    return torch.load(path)
+
+
+def check_beside_checkpoints(folder):
+    """ModelCheckpoint's save_safetensors: each checkpoint has its weights file beside it, holding the checkpoint's
+    state_dict (read with torch.load) tensor for tensor."""
+    bad = []
+    files = os.listdir(f"{folder}/ckpt")
+    ckpts = sorted(f[:-5] for f in files if f.endswith(".ckpt"))
+    beside = sorted(f[:-12] for f in files if f.endswith(".safetensors"))
+    if ckpts != beside or len(ckpts) < 5:
+        bad.append(f"checkpoints {ckpts} and safetensors files {beside}")
+    for stem in sorted(set(ckpts) & set(beside)):
+        state = load_checkpoint(f"{folder}/ckpt/{stem}.ckpt")["state_dict"]
+        weights = load_file(f"{folder}/ckpt/{stem}.safetensors")
+        if sorted(state) != sorted(weights):
+            bad.append(f"{stem}: names {sorted(weights)} vs the checkpoint's {sorted(state)}")
+        for name in sorted(set(state) & set(weights)):
+            if not same(weights[name], state[name]):
+                bad.append(f"{stem}: {name} differs from the checkpoint's")
+    return bad, len(ckpts)
+
+
 def write_python_files(folder):
     save_file({name: pattern(dtype) for name, dtype in DTYPES.items()}, f"{folder}/from_python.safetensors",
               metadata={"written_by": "python", "dtypes": " ".join(sorted(DTYPES))})
@@ -106,10 +140,13 @@ def write_python_files(folder):
 
 def main(folder):
     bad = check_volt_files(folder)
+    beside_bad, pairs = check_beside_checkpoints(folder)
+    bad += beside_bad
     write_python_files(folder)
     for b in bad:
         print("MISMATCH:", b)
-    print(f"torch {torch.__version__}: {len(DTYPES)} dtypes read and written; {len(bad)} mismatches")
+    print(f"torch {torch.__version__}: {len(DTYPES)} dtypes read and written, {pairs} checkpoints with their "
+          f"safetensors beside them; {len(bad)} mismatches")
     return 1 if bad else 0
 
 

@@ -23,12 +23,14 @@
 /// whole. Reads check everything before anything is loaded: a missing, empty, truncated, corrupt or foreign
 /// file is a `CheckpointError` that names the file and what is wrong.
 ///
-/// This file is the format and its generic pieces (atomic write, checked read, weights, optimizer archives,
-/// generators); the byte-level pieces under them (the error type, the checksum, bounded zip reads, pickle length
-/// checks) are volt/checkpoint/bytes.hpp. What a fit writes into it and reads back to resume, each entry's
+/// This file is the format and its generic pieces (checked read, weights, optimizer archives, generators); the
+/// byte-level pieces under them (the checksum, bounded zip reads, pickle length checks) are volt/checkpoint/bytes.hpp,
+/// the atomic writes volt/checkpoint/files.hpp, and saving (stamping, serialising, the asynchronous writer, the
+/// safetensors file beside a checkpoint) volt/checkpoint/writer.hpp. What a fit writes into it and reads back to resume, each entry's
 /// writer next to its reader, is volt/connectors/checkpoint_connector.hpp.
 
 #include "volt/checkpoint/bytes.hpp"
+#include "volt/checkpoint/files.hpp"
 #include "volt/detail/optimizer_family.hpp"
 #include "volt/version.hpp"
 
@@ -101,199 +103,6 @@ inline constexpr const char* accumulated_grads = "accumulated_grads";
 using Dict = c10::impl::GenericDict;
 
 inline Dict make_dict() { return Dict(c10::StringType::get(), c10::AnyType::get()); }
-
-/// Writes `pieces` one after another to `path` atomically (temporary file in the same folder, fsync, rename, fsync of
-/// the folder). Creates the folder if needed.
-inline void write_atomic(const std::string& path, const std::vector<std::pair<const char*, std::size_t>>& pieces) {
-  const std::filesystem::path target(path);
-  const std::filesystem::path dir = target.parent_path();
-  std::error_code ec;
-  if (!dir.empty()) std::filesystem::create_directories(dir, ec);
-  if (ec) throw CheckpointError("volt: cannot create the folder " + dir.string() + " for " + path + ": " + ec.message());
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) detail::fail_errno("writing the checkpoint (opening)", tmp);
-  for (const auto& [data, size] : pieces) {
-    std::size_t done = 0;
-    while (done < size) {
-      const ssize_t n = ::write(fd, data + done, size - done);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        const int saved = errno;
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        errno = saved;
-        detail::fail_errno("writing the checkpoint", tmp);
-      }
-      done += static_cast<std::size_t>(n);
-    }
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    errno = saved;
-    detail::fail_errno("flushing the checkpoint", tmp);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    errno = saved;
-    detail::fail_errno("renaming the finished checkpoint onto", path);
-  }
-  detail::fsync_dir(dir);
-}
-
-/// Writes `size` bytes at `data` to `path` atomically.
-inline void write_atomic(const std::string& path, const char* data, std::size_t size) {
-  write_atomic(path, {{data, size}});
-}
-
-/// Checks, before any training, that checkpoints can be written into `folder`: it exists or can be created, a
-/// small file can be written there, flushed to the disk and removed, and the disk has at least `min_bytes` free
-/// (a checkpoint holds at least the weights). `who` names the caller in the message. Throws CheckpointError
-/// naming the folder and the fault (a read-only or full disk is found now, not after the first epoch).
-inline void check_writable(const std::string& folder, std::uintmax_t min_bytes, const std::string& who) {
-  const std::filesystem::path dir(folder.empty() ? "." : folder);
-  auto fail = [&](const std::string& why) {
-    throw CheckpointError("volt: " + who + " cannot write checkpoints into " + dir.string() + ": " + why +
-                          ". Give a folder on a writable disk with room (dirpath, or default_root_dir), before "
-                          "training starts.");
-  };
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) fail("the folder cannot be created (" + ec.message() + ")");
-  const std::string probe = (dir / (".volt-write-check." + std::to_string(::getpid()))).string();
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(std::string("a file cannot be created there (") + std::strerror(errno) + ")");
-  const std::vector<char> block(4096, 0);
-  errno = 0;
-  const bool written = ::write(fd, block.data(), block.size()) == static_cast<ssize_t>(block.size());
-  const int write_errno = written ? 0 : (errno != 0 ? errno : ENOSPC);
-  const bool flushed = written && ::fsync(fd) == 0;
-  const int flush_errno = flushed ? 0 : errno;
-  ::close(fd);
-  ::unlink(probe.c_str());
-  if (!written) fail(std::string("writing 4 KiB there failed (") + std::strerror(write_errno) + ")");
-  if (!flushed) fail(std::string("flushing 4 KiB there failed (") + std::strerror(flush_errno) + ")");
-  const std::filesystem::space_info room = std::filesystem::space(dir, ec);
-  if (!ec && room.available < min_bytes) {
-    fail("the disk has " + std::to_string(room.available) + " bytes free and one checkpoint needs at least " +
-         std::to_string(min_bytes) + " (the weights alone)");
-  }
-}
-
-/// Whether two paths name the same file or folder (as absolute, normalised paths; neither need exist).
-inline bool same_path(const std::string& a, const std::string& b) {
-  std::error_code ec;
-  return std::filesystem::weakly_canonical(std::filesystem::absolute(a), ec) ==
-         std::filesystem::weakly_canonical(std::filesystem::absolute(b), ec);
-}
-
-/// Where a run writes `<stem>.ckpt` in `folder` without replacing another run's file (Lightning's version counter):
-/// the name itself while no file has it or `own(path)` says this run wrote it (or resumed from it), else the first
-/// free `<stem>-v1.ckpt`, `<stem>-v2.ckpt`, ...; with `versioned` false, always the name itself.
-template <class Own>
-std::string free_checkpoint_path(const std::filesystem::path& folder, const std::string& stem, bool versioned, Own&& own) {
-  std::string candidate = (folder / (stem + ".ckpt")).string();
-  for (int v = 1; versioned && std::filesystem::exists(candidate) && !own(candidate); ++v) {
-    candidate = (folder / (stem + "-v" + std::to_string(v) + ".ckpt")).string();
-  }
-  return candidate;
-}
-
-/// A copy of `v` whose dicts and lists are its own, rebuilt with their types: the pickler memoizes a container
-/// shared elsewhere (its use count above one), so without this the bytes of a save would depend on who else holds
-/// its pieces. `copy_tensors`: tensors copied too, into memory training cannot change (CPU tensors cloned, CUDA
-/// tensors copied into pinned host memory); else shared. Numbers and strings are immutable and shared.
-inline c10::IValue unshared(const c10::IValue& v, bool copy_tensors) {
-  if (v.isTensor()) {
-    const at::Tensor& t = v.toTensor();
-    if (!copy_tensors || !t.defined()) return t;
-    if (t.is_cpu()) return t.clone();
-    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-    return host.copy_(t);
-  }
-  if (v.isGenericDict()) {
-    const auto d = v.toGenericDict();
-    c10::impl::GenericDict out(d.keyType(), d.valueType());
-    out.reserve(d.size());
-    for (const auto& e : d) out.insert(e.key(), unshared(e.value(), copy_tensors));
-    return out;
-  }
-  if (v.isList()) {
-    const auto l = v.toList();
-    c10::impl::GenericList out(l.elementType());
-    out.reserve(l.size());
-    for (const auto& e : l) out.push_back(unshared(e, copy_tensors));
-    return out;
-  }
-  if (v.isTuple() && copy_tensors) return v.deepcopy();
-  return v;
-}
-
-/// Stamps `contents` with the format, the versions and its checksum, and writes it atomically to each of `paths` in
-/// order (the same bytes; serialized once).
-inline void save(const std::vector<std::string>& paths, const Dict& given) {
-  const std::string path = paths.empty() ? std::string() : paths.front();
-  Dict contents = unshared(given, /*copy_tensors=*/false).toGenericDict();  // the same bytes whoever shares a piece
-  contents.insert_or_assign("format", std::string(kFormat));
-  contents.insert_or_assign("format_version", kFormatVersion);
-  contents.insert_or_assign("volt_version", std::string(version_string));
-  contents.insert_or_assign("torch_version", std::string(TORCH_VERSION));
-  (void)contents.erase("checksum");
-  const uint32_t sum = detail::checksum(contents, 0);
-  contents.insert("checksum", static_cast<int64_t>(sum));
-  std::vector<char> bytes;
-  try {
-    bytes = torch::pickle_save(contents);
-  } catch (const c10::Error& e) {
-    throw CheckpointError("volt: serializing the checkpoint for " + path + " failed: " + detail::first_line(e.what()));
-  }
-  for (const auto& p : paths) write_atomic(p, bytes.data(), bytes.size());
-}
-
-/// Stamps `contents` and writes it atomically to `path`.
-inline void save(const std::string& path, const Dict& contents) { save(std::vector<std::string>{path}, contents); }
-
-/// Writes checkpoints on a thread of its own, one save at a time: `submit` returns once the contents are copied to
-/// host memory, and waits first for the save in flight (as torchtitan's asynchronous checkpoints). The files are
-/// the bytes `save` writes, written and renamed the same way (a process killed mid-write leaves each previous file
-/// whole). A failed write is thrown, as a CheckpointError naming the file, by the next `submit` or `wait`.
-class AsyncWriter {
- public:
-  AsyncWriter() = default;
-  AsyncWriter(AsyncWriter&&) noexcept = default;
-  AsyncWriter& operator=(AsyncWriter&&) noexcept = default;
-  /// Waits for the save in flight; an error it had is printed (a destructor cannot throw).
-  ~AsyncWriter() {
-    try {
-      wait();
-    } catch (const std::exception& e) {
-      std::cerr << e.what() << '\n';
-    }
-  }
-
-  /// Copies `contents` to host memory, then writes it to each of `paths` in order on the writer's thread and
-  /// calls `done` there once all are in place (ModelCheckpoint deletes the files that left its top k then).
-  void submit(std::vector<std::string> paths, const Dict& contents, std::function<void()> done = {}) {
-    wait();
-    Dict copy = unshared(contents, /*copy_tensors=*/true).toGenericDict();
-    pending_ = std::async(std::launch::async, [paths = std::move(paths), copy = std::move(copy),
-                                               done = std::move(done)]() mutable {
-      save(paths, std::move(copy));
-      if (done) done();
-    });
-  }
-  /// Waits for the save in flight, if any; throws its error.
-  void wait() {
-    if (!pending_.valid()) return;
-    std::future<void> f = std::move(pending_);
-    f.get();
-  }
-
- private:
-  std::future<void> pending_;
-};
 
 inline Dict decode(const std::vector<char>& bytes, const std::string& path);
 
@@ -613,12 +422,6 @@ inline void set_rng_states(const std::vector<at::Tensor>& states) {
 }
 
 }  // namespace checkpoint
-
-/// How `Trainer::save_checkpoint` writes a checkpoint.
-struct SaveOptions {
-  bool weights_only = false;     ///< the module's parameters and buffers only
-  bool async_save = false;       ///< copied to host memory, then written on a thread (checkpoint::AsyncWriter)
-  std::function<void()> done{};  ///< on rank zero, once every file is in place (on the writer's thread when async)
-};
-
 }  // namespace volt
+
+#include "volt/checkpoint/writer.hpp"  // saving: checkpoint::save, AsyncWriter, SaveOptions

@@ -48,6 +48,10 @@ namespace volt {
 /// synchronous save; one save in flight (the next waits for it, as do a stop signal, max_time and the fit's end); a
 /// file that leaves the top k is deleted only once the new file is in place, so a kill at any moment leaves the
 /// previous files whole.
+/// `save_safetensors`: beside each checkpoint its weights as safetensors, `.ckpt` replaced (`epoch=1-step=20.safetensors`,
+/// `last.safetensors`), for Python's `safetensors`, Hugging Face or volt::load_weights: the checkpoint's own
+/// `state_dict` after every on_save_checkpoint hook (EMAWeightAveraging's average where that callback runs), written
+/// after the checkpoint (on the writer's thread when async) and deleted with it when it leaves the top k.
 /// A monitored name that is missing is a warning until the fit's first validation has run (a step-based
 /// save can come before it), and an error after.
 /// `trainer.fit(module, train, val, "last")` resumes from the newest checkpoint it wrote (a fresh start
@@ -81,6 +85,8 @@ class ModelCheckpoint {
     bool verbose = false;
     /// Write on a thread while training goes on (above).
     bool async_save = false;
+    /// Also write each checkpoint's weights as safetensors beside it (above).
+    bool save_safetensors = false;
   };
 
   static constexpr bool monitors_metrics = true;
@@ -454,7 +460,9 @@ class ModelCheckpoint {
     if (!last.empty()) last_model_path_ = last;  // before the first write: every file of this save names it
     std::vector<std::string> doomed;  // deleted once the new files are in place (rank zero)
     for (const auto& p : remove) {
-      if (p != written && p != last && trainer.is_global_zero() && may_remove(trainer, p)) doomed.push_back(p);
+      if (p == written || p == last || !trainer.is_global_zero() || !may_remove(trainer, p)) continue;
+      doomed.push_back(p);
+      if (options_.save_safetensors) doomed.push_back(checkpoint::weights_beside(p));
     }
     std::string said;
     if (options_.verbose && !written.empty()) {
@@ -466,17 +474,13 @@ class ModelCheckpoint {
       for (const auto& p : doomed) std::filesystem::remove(p, ec);
       std::cout << said;
     };
-    if (options_.async_save) {
-      std::vector<std::string> paths;
-      for (const auto& p : {written, last}) {
-        if (!p.empty()) paths.push_back(p);
-      }
-      if (!paths.empty()) trainer.save_checkpoint(paths, {options_.save_weights_only, true, done});
-      return;
+    std::vector<std::string> paths;  // one state, serialised once, to each (nothing to delete or say when none)
+    for (const auto& p : {written, last}) {
+      if (!p.empty()) paths.push_back(p);
     }
-    if (!written.empty()) trainer.save_checkpoint(written, options_.save_weights_only);
-    if (!last.empty()) trainer.save_checkpoint(last, options_.save_weights_only);
-    if (trainer.is_global_zero()) done();
+    if (paths.empty()) return;
+    trainer.save_checkpoint(paths, {.weights_only = options_.save_weights_only, .async_save = options_.async_save,
+                                    .safetensors = options_.save_safetensors, .done = done});
   }
 
   void update_best() {

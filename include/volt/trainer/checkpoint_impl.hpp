@@ -81,10 +81,10 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
     }
     if (save_hooks_) save_hooks_(d, weights_only);
     if (options.async_save) {
-      writer_.submit(paths, d, options.done);
+      writer_.submit(paths, d, options.safetensors, options.done);
     } else {
       writer_.wait();  // files land in the order they were saved
-      checkpoint::save(paths, std::move(d));
+      checkpoint::save(paths, std::move(d), options.safetensors);
       if (options.done) options.done();
     }
   }

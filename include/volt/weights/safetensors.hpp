@@ -24,7 +24,7 @@
 /// F8_E5M2 (LibTorch's `Float8_e4m3fn`, `Float8_e5m2`) from LibTorch 2.3. The module-level calls
 /// (`volt::save_safetensors`, `volt::load_weights`) are volt/weights.hpp.
 
-#include "volt/checkpoint.hpp"
+#include "volt/checkpoint/files.hpp"
 #include "volt/errors.hpp"
 
 #include <ATen/ATen.h>
@@ -373,7 +373,7 @@ inline std::pair<std::string, std::vector<at::Tensor>> encode(const TensorFile& 
   return {std::move(text), std::move(data)};
 }
 
-/// Writes `file` to `path` atomically, as volt's checkpoints (volt/checkpoint.hpp's write_atomic).
+/// Writes `file` to `path` atomically, as volt's checkpoints (volt/checkpoint/files.hpp's write_atomic).
 inline void write(const std::string& path, const TensorFile& file) {
   const auto [text, data] = encode(file, path);
   const uint64_t n = text.size();

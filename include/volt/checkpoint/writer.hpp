@@ -1,0 +1,168 @@
+#pragma once
+/// \file
+/// Saving checkpoints, part of volt/checkpoint.hpp (which includes it at its end): a checkpoint's contents stamped
+/// with the format, the versions and the checksum, serialised once and written atomically to each path; the
+/// weights-only safetensors file beside a checkpoint (ModelCheckpoint's `save_safetensors`); and the writer that does
+/// both on a thread of its own (asynchronous saves).
+
+#include "volt/checkpoint.hpp"
+#include "volt/weights/safetensors.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/api/include/torch/version.h>
+#include <torch/serialize.h>
+
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <future>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace volt {
+namespace checkpoint {
+
+/// A copy of `v` whose dicts and lists are its own, rebuilt with their types: the pickler memoizes a container
+/// shared elsewhere (its use count above one), so without this the bytes of a save would depend on who else holds
+/// its pieces. `copy_tensors`: tensors copied too, into memory training cannot change (CPU tensors cloned, CUDA
+/// tensors copied into pinned host memory); else shared. Numbers and strings are immutable and shared.
+inline c10::IValue unshared(const c10::IValue& v, bool copy_tensors) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!copy_tensors || !t.defined()) return t;
+    if (t.is_cpu()) return t.clone();
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    return host.copy_(t);
+  }
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    c10::impl::GenericDict out(d.keyType(), d.valueType());
+    out.reserve(d.size());
+    for (const auto& e : d) out.insert(e.key(), unshared(e.value(), copy_tensors));
+    return out;
+  }
+  if (v.isList()) {
+    const auto l = v.toList();
+    c10::impl::GenericList out(l.elementType());
+    out.reserve(l.size());
+    for (const auto& e : l) out.push_back(unshared(e, copy_tensors));
+    return out;
+  }
+  if (v.isTuple() && copy_tensors) return v.deepcopy();
+  return v;
+}
+
+/// Where the weights-only safetensors file of the checkpoint at `path` goes: beside it, its `.ckpt` replaced
+/// (`epoch=1-step=20.ckpt` -> `epoch=1-step=20.safetensors`; a path with another ending gets `.safetensors` added).
+inline std::string weights_beside(const std::string& path) {
+  std::filesystem::path p(path);
+  if (p.extension() == ".ckpt") return p.replace_extension(".safetensors").string();
+  return path + ".safetensors";
+}
+
+/// A checkpoint's `state_dict` as a safetensors file's tensors (metadata `"format": "pt"`, what Hugging Face's
+/// loaders look for): the weights as the checkpoint holds them, after every on_save_checkpoint hook (EMA's average
+/// where that callback runs). `path` names the checkpoint in the message for an entry that is not a tensor.
+inline TensorFile weights_of(const Dict& contents, const std::string& path) {
+  TensorFile file{.tensors = {}, .metadata = {{"format", "pt"}}};
+  if (!contents.contains(keys::state_dict) || !contents.at(keys::state_dict).isGenericDict()) {
+    throw CheckpointError("volt: the checkpoint for " + path + " has no state_dict dictionary, so there are no "
+                          "weights to write beside it as safetensors.");
+  }
+  for (const auto& e : contents.at(keys::state_dict).toGenericDict()) {
+    const std::string name = e.key().isString() ? e.key().toStringRef() : e.key().tagKind();
+    if (!e.key().isString() || !e.value().isTensor()) {
+      throw CheckpointError("volt: the state_dict of the checkpoint for " + path + " holds a " + e.value().tagKind() +
+                            " under \"" + name + "\"; a safetensors file holds named tensors only (an "
+                            "on_save_checkpoint hook put it there?).");
+    }
+    file.tensors.emplace_back(name, e.value().toTensor());
+  }
+  return file;
+}
+
+/// Stamps `contents` with the format, the versions and its checksum, and writes it atomically to each of `paths` in
+/// order (the same bytes; serialized once). `weights_beside_each`: after each checkpoint, its state_dict as
+/// safetensors at `weights_beside(path)`, written atomically too (a process killed between the two leaves a
+/// checkpoint without its weights file, never a partial file).
+inline void save(const std::vector<std::string>& paths, const Dict& given, bool weights_beside_each = false) {
+  const std::string path = paths.empty() ? std::string() : paths.front();
+  Dict contents = unshared(given, /*copy_tensors=*/false).toGenericDict();  // the same bytes whoever shares a piece
+  contents.insert_or_assign("format", std::string(kFormat));
+  contents.insert_or_assign("format_version", kFormatVersion);
+  contents.insert_or_assign("volt_version", std::string(version_string));
+  contents.insert_or_assign("torch_version", std::string(TORCH_VERSION));
+  (void)contents.erase("checksum");
+  const uint32_t sum = detail::checksum(contents, 0);
+  contents.insert("checksum", static_cast<int64_t>(sum));
+  const TensorFile weights = weights_beside_each ? weights_of(contents, path) : TensorFile{};
+  std::vector<char> bytes;
+  try {
+    bytes = torch::pickle_save(contents);
+  } catch (const c10::Error& e) {
+    throw CheckpointError("volt: serializing the checkpoint for " + path + " failed: " + detail::first_line(e.what()));
+  }
+  for (const auto& p : paths) {
+    write_atomic(p, bytes.data(), bytes.size());
+    if (weights_beside_each) safetensors::write(weights_beside(p), weights);
+  }
+}
+
+/// Stamps `contents` and writes it atomically to `path`.
+inline void save(const std::string& path, const Dict& contents) { save(std::vector<std::string>{path}, contents); }
+
+/// Writes checkpoints on a thread of its own, one save at a time: `submit` returns once the contents are copied to
+/// host memory, and waits first for the save in flight (as torchtitan's asynchronous checkpoints). The files are
+/// the bytes `save` writes, written and renamed the same way (a process killed mid-write leaves each previous file
+/// whole). A failed write is thrown, as a CheckpointError naming the file, by the next `submit` or `wait`.
+class AsyncWriter {
+ public:
+  AsyncWriter() = default;
+  AsyncWriter(AsyncWriter&&) noexcept = default;
+  AsyncWriter& operator=(AsyncWriter&&) noexcept = default;
+  /// Waits for the save in flight; an error it had is printed (a destructor cannot throw).
+  ~AsyncWriter() {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      std::cerr << e.what() << '\n';
+    }
+  }
+
+  /// Copies `contents` to host memory, then writes it to each of `paths` in order on the writer's thread (with the
+  /// safetensors file beside each where `weights_beside_each`, as `save`) and calls `done` there once all are in
+  /// place (ModelCheckpoint deletes the files that left its top k then).
+  void submit(std::vector<std::string> paths, const Dict& contents, bool weights_beside_each = false,
+              std::function<void()> done = {}) {
+    wait();
+    Dict copy = unshared(contents, /*copy_tensors=*/true).toGenericDict();
+    pending_ = std::async(std::launch::async, [paths = std::move(paths), copy = std::move(copy), weights_beside_each,
+                                               done = std::move(done)]() mutable {
+      save(paths, std::move(copy), weights_beside_each);
+      if (done) done();
+    });
+  }
+  /// Waits for the save in flight, if any; throws its error.
+  void wait() {
+    if (!pending_.valid()) return;
+    std::future<void> f = std::move(pending_);
+    f.get();
+  }
+
+ private:
+  std::future<void> pending_;
+};
+
+}  // namespace checkpoint
+
+/// How `Trainer::save_checkpoint` writes a checkpoint.
+struct SaveOptions {
+  bool weights_only = false;     ///< the module's parameters and buffers only
+  bool async_save = false;       ///< copied to host memory, then written on a thread (checkpoint::AsyncWriter)
+  bool safetensors = false;      ///< also the weights as safetensors beside each file (checkpoint::weights_beside)
+  std::function<void()> done{};  ///< on rank zero, once every file is in place (on the writer's thread when async)
+};
+
+}  // namespace volt

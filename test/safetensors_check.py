@@ -16,6 +16,8 @@ import sys
 import torch
 from torch import nn
 
+from torch_load_check import load as load_checkpoint  # torch.load as a careful user calls it (weights_only)
+
 try:
     from safetensors.torch import load_file, save_file
 except ImportError:
@@ -89,17 +91,6 @@ def check_volt_files(folder):
     if not torch.allclose(out, io["output"], atol=1e-6, rtol=1e-5):
         bad.append(f"the network's output differs by {(out - io['output']).abs().max().item()}")
     return bad
-
-
-def load_checkpoint(path):
-    """torch.load as a careful user on PyTorch >= 2.6 calls it (test/torch_load_check.py's load)."""
-    if hasattr(torch.serialization, "safe_globals"):
-        from torch.jit import _pickle
-        builders = [_pickle.restore_type_tag, _pickle.build_tensorlist, _pickle.build_intlist,
-                    _pickle.build_doublelist, _pickle.build_boollist]
-        with torch.serialization.safe_globals(builders):
-            return torch.load(path, weights_only=True)
-    return torch.load(path)
 
 
 def check_beside_checkpoints(folder):

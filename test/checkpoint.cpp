@@ -816,7 +816,9 @@ TEST_CASE("ModelCheckpoint's safetensors beside each checkpoint: its weights, EM
     // By hand: the average after each step (decay 0.7, from the first step), in float64.
     std::map<int64_t, torch::Tensor> average;
     torch::Tensor avg = weights.at(1).to(torch::kDouble);
-    for (const auto& [step, w] : weights) average[step] = avg = step == 1 ? avg : 0.7 * avg + 0.3 * w.to(torch::kDouble);
+    for (const auto& [step, w] : weights) {
+      average[step] = avg = step == 1 ? avg : 0.7 * avg + 0.3 * w.to(torch::kDouble);
+    }
     std::set<std::string> ckpts, beside;
     for (const auto& e : fs::directory_iterator(dir / "checkpoints")) {
       (e.path().extension() == ".ckpt" ? ckpts : beside).insert(e.path().stem().string());

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -263,7 +264,7 @@ TEST_CASE("GPU asynchronous saves: CUDA state copied into pinned memory at the s
   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::GPU>(
       {.max_epochs = 2}, vt::WeightLog{&weights},
       volt::ModelCheckpoint({.dirpath = (dir / "steps").string(), .filename = "{step}", .save_top_k = -1,
-                             .every_n_train_steps = 1, .async_save = true}));
+                             .every_n_train_steps = 1, .async_save = true, .save_safetensors = true}));
   trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = 8}));
   REQUIRE(net->lin->weight.is_cuda());
   REQUIRE(weights.size() == 16);
@@ -274,11 +275,20 @@ TEST_CASE("GPU asynchronous saves: CUDA state copied into pinned memory at the s
     const auto saved = d.at("state_dict").toGenericDict().at("lin.weight").toTensor();
     CHECK(saved.is_cpu());
     CHECK(torch::equal(saved, w));
+    const auto beside =
+        volt::safetensors::read((dir / "steps" / ("step=" + std::to_string(step) + ".safetensors")).string());
+    const auto it = std::find_if(beside.tensors.begin(), beside.tensors.end(),
+                                 [](const auto& e) { return e.first == "lin.weight"; });
+    REQUIRE(it != beside.tensors.end());
+    CHECK(torch::equal(it->second, w));  // the weights file beside it too
   }
-  // The same state saved both ways after the fit: the same bytes (optimizer state from the GPU included).
-  trainer.save_checkpoint((dir / "sync.ckpt").string());
-  trainer.save_checkpoint(std::vector<std::string>{(dir / "async.ckpt").string()}, {.async_save = true});
+  // The same state saved both ways after the fit: the same bytes (optimizer state from the GPU included), and the
+  // same weights files beside them.
+  trainer.save_checkpoint(std::vector<std::string>{(dir / "sync.ckpt").string()}, {.safetensors = true});
+  trainer.save_checkpoint(std::vector<std::string>{(dir / "async.ckpt").string()},
+                          {.async_save = true, .safetensors = true});
   trainer.wait_for_checkpoint();
   CHECK(vt::read_bytes(dir / "sync.ckpt") == vt::read_bytes(dir / "async.ckpt"));
+  CHECK(vt::read_bytes(dir / "sync.safetensors") == vt::read_bytes(dir / "async.safetensors"));
   CHECK(vt::read_bytes(dir / "sync.ckpt").size() > 2 * 256 * 256 * 4);  // weights and Adam's two moments at least
 }

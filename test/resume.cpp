@@ -662,8 +662,8 @@ int signal_case(const std::string& kase, const std::string& dir, const std::vect
   fs::create_directories(bin);
   // SLURM signals every process of a job step, and the signal can reach rank zero's host after the ranks agreed on
   // another's (usr1-one-rank: rank 1's): the stand-in is sent the stop signal too before it writes, as scontrol is.
-  std::ofstream(bin + "/scontrol") << "#!/bin/sh\nkill -s " << volt::cluster::signal_name(sig).substr(3) << " $$\necho \"$@\" >> '"
-                                   << requeued << "'\n";
+  std::ofstream(bin + "/scontrol") << "#!/bin/sh\nkill -s " << volt::cluster::signal_name(sig).substr(3)
+                                   << " $$\necho \"$@\" >> '" << requeued << "'\n";
   fs::permissions(bin + "/scontrol", fs::perms::owner_all);
   std::vector<std::string> env;
   if (requeues) env = {"VOLT_TEST_SCONTROL=" + bin + "/scontrol", "SLURM_JOB_ID=4242"};
@@ -940,7 +940,9 @@ RequeuedRun submit_signalled_job(const std::string& dir, const std::string& clus
   r.after = std::uniform_int_distribution<int64_t>(2, 18)(rng);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
   while (read_number(run_dir + "/progress") < r.after) {
-    if (std::chrono::steady_clock::now() > deadline) fail("job " + r.id + " did not reach step " + std::to_string(r.after));
+    if (std::chrono::steady_clock::now() > deadline) {
+      fail("job " + r.id + " did not reach step " + std::to_string(r.after));
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   std::vector<std::string> scancel = {cluster + "/bin/on", "head", "scancel", "--signal=USR1"};
@@ -991,7 +993,8 @@ int requeue_case(const std::string& dir, const std::string& cluster, const std::
   const std::string &id = r.id, &state = r.end.state, &restarts = r.end.restarts;
   const int64_t after = r.after;
   if (state != "COMPLETED" || restarts != "1") {
-    std::cout << "--- what SLURM logged about job " << id << " ---\n" << slurm_log_about(cluster, id) << "---" << std::endl;
+    std::cout << "--- what SLURM logged about job " << id << " ---\n"
+              << slurm_log_about(cluster, id) << "---" << std::endl;
     fail("job " + id + " ended " + state + " after " + restarts + " restarts; expected COMPLETED after 1");
   }
   const std::string ckpt = run_dir + "/ckpt/interrupted.ckpt";

@@ -48,10 +48,11 @@ namespace volt {
 /// synchronous save; one save in flight (the next waits for it, as do a stop signal, max_time and the fit's end); a
 /// file that leaves the top k is deleted only once the new file is in place, so a kill at any moment leaves the
 /// previous files whole.
-/// `save_safetensors`: beside each checkpoint its weights as safetensors, `.ckpt` replaced (`epoch=1-step=20.safetensors`,
-/// `last.safetensors`), for Python's `safetensors`, Hugging Face or volt::load_weights: the checkpoint's own
-/// `state_dict` after every on_save_checkpoint hook (EMAWeightAveraging's average where that callback runs), written
-/// after the checkpoint (on the writer's thread when async) and deleted with it when it leaves the top k.
+/// `save_safetensors`: beside each checkpoint its weights as safetensors, `.ckpt` replaced
+/// (`epoch=1-step=20.safetensors`, `last.safetensors`), for Python's `safetensors`, Hugging Face or volt::load_weights:
+/// the checkpoint's own `state_dict` after every on_save_checkpoint hook (EMAWeightAveraging's average where that
+/// callback runs), written after the checkpoint (on the writer's thread when async) and deleted with it when it
+/// leaves the top k.
 /// A monitored name that is missing is a warning until the fit's first validation has run (a step-based
 /// save can come before it), and an error after.
 /// `trainer.fit(module, train, val, "last")` resumes from the newest checkpoint it wrote (a fresh start

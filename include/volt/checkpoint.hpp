@@ -25,8 +25,9 @@
 ///
 /// This file is the format and its generic pieces (checked read, weights, optimizer archives, generators); the
 /// byte-level pieces under them (the checksum, bounded zip reads, pickle length checks) are volt/checkpoint/bytes.hpp,
-/// the atomic writes volt/checkpoint/files.hpp, and saving (stamping, serialising, the asynchronous writer, the
-/// safetensors file beside a checkpoint) volt/checkpoint/writer.hpp. What a fit writes into it and reads back to
+/// the atomic writes volt/checkpoint/files.hpp, the safetensors format volt/checkpoint/safetensors.hpp, and saving
+/// (stamping, serialising, the asynchronous writer, the safetensors file beside a checkpoint)
+/// volt/checkpoint/writer.hpp. What a fit writes into it and reads back to
 /// resume, each entry's writer next to its reader, is volt/connectors/checkpoint_connector.hpp.
 
 #include "volt/checkpoint/bytes.hpp"

@@ -19,11 +19,11 @@
 /// Shapes must match in every case (an error names each difference); a dtype is converted to the module's
 /// (`Tensor::copy_`), and the module's device is kept. Everything is checked before anything is copied: on any error
 /// the module is unchanged. The file's format is told by its first bytes (a zip archive: a volt checkpoint, whose
-/// `state_dict` is read; else safetensors, volt/weights/safetensors.hpp).
+/// `state_dict` is read; else safetensors, volt/checkpoint/safetensors.hpp).
 
 #include "volt/checkpoint.hpp"
 #include "volt/errors.hpp"
-#include "volt/weights/safetensors.hpp"
+#include "volt/checkpoint/safetensors.hpp"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>

@@ -6,7 +6,7 @@
 /// both on a thread of its own (asynchronous saves).
 
 #include "volt/checkpoint.hpp"
-#include "volt/weights/safetensors.hpp"
+#include "volt/checkpoint/safetensors.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/api/include/torch/version.h>

@@ -3,7 +3,7 @@
 # (or through sudo when not root). `--tests` adds what only the test suite needs: Python's torch, which
 # reads volt's checkpoints in one test, the reference BLAS, which one test runs a fit on, and SLURM with munge and
 # iproute2, which the cluster tests run their emulated hosts on (test/cluster/). `--fuzz` adds clang and libFuzzer
-# (scripts/fuzz.sh).
+# (scripts/fuzz.sh); `--ci` adds ccache (.ci/run).
 #
 # libopenblas0-openmp: Debian's libtorch-dev does its matrix products (linear layers, matmul, im2col convolutions)
 # through the `libblas.so.3` alternative, which with nothing else installed is the reference BLAS (libblas3,
@@ -18,6 +18,7 @@ case "${1:-}" in
   # netns) and util-linux (unshare, nsenter): the cluster of emulated hosts
   --tests) packages+=(python3 python3-torch libblas3 slurmctld slurmd slurm-client munge iproute2 util-linux) ;;
   --fuzz) packages+=(clang libfuzzer-14-dev) ;;  # scripts/fuzz.sh: clang's libFuzzer and sanitizers
+  --ci) packages+=(ccache) ;;  # .ci/run: the compiler cache every lane compiles through
 esac
 missing=()
 for p in "${packages[@]}"; do

@@ -9,6 +9,8 @@
 #               and only those run.
 # --tsan:       the loader tests (worker threads) built with ThreadSanitizer (in build-tsan/), and only those run.
 # VOLT_CMAKE_ARGS: more CMake settings for the lane's build (CI's 2.11 lane: -DVOLT_CHECK_HEADERS=OFF).
+# Compiles through ccache where it is installed (cmake/voltCompilerCache.cmake). At its end it prints how long the
+# build and the tests took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lane=1.13
@@ -24,6 +26,23 @@ while [ $# -gt 0 ]; do
     *) ctest_args+=("$1"); shift ;;
   esac
 done
+started=$(date +%s)
+# build_and_test <build folder> <cmake --build arguments...> -- <ctest arguments...>: builds, runs the tests, and
+# says how long each took (also when a test fails; the script then ends with CTest's status).
+build_and_test() {
+  local dir=$1 built tested status=0
+  shift
+  local build_args=()
+  while [ "$1" != "--" ]; do build_args+=("$1"); shift; done
+  shift
+  built=$(date +%s)
+  cmake --build "$dir" -j2 ${build_args[@]+"${build_args[@]}"}
+  tested=$(date +%s)
+  ctest --test-dir "$dir" --output-on-failure "$@" || status=$?
+  echo "volt: $dir: installs and configure $((built - started)) s, build $((tested - built)) s," \
+       "tests $(( $(date +%s) - tested )) s"
+  return $status
+}
 bash scripts/install-deps.sh --tests
 # tensorboard (reads the TensorBoard logger's files back) and matplotlib, from PyPI, in a virtual environment.
 tools_python=$(bash scripts/install-python-tools.sh)
@@ -51,23 +70,21 @@ if [ "$tsan" = 1 ]; then
   tbuild=build-tsan${build#build}
   cmake -S . -B "$tbuild" -DCMAKE_BUILD_TYPE=Release -DVOLT_SANITIZE_THREAD=ON -DVOLT_BUILD_BENCH=OFF \
         -DVOLT_BUILD_EXAMPLES=OFF ${torch_dir:+-DCMAKE_PREFIX_PATH="$torch_dir"}
-  cmake --build "$tbuild" -j2 --target volt_tests
   # LibTorch is not instrumented: races inside it are not seen, and its OpenMP threads are not used by the loader
   # tests' worker code; halt on the first report.
-  TSAN_OPTIONS=halt_on_error=1 ctest --test-dir "$tbuild" --output-on-failure -R '^loader$' ${ctest_args[@]+"${ctest_args[@]}"}
+  TSAN_OPTIONS=halt_on_error=1 build_and_test "$tbuild" --target volt_tests -- -R '^loader$' ${ctest_args[@]+"${ctest_args[@]}"}
   exit
 fi
 if [ "$sanitize" = 1 ]; then
   sbuild=build-sanitize${build#build}
   cmake -S . -B "$sbuild" -DCMAKE_BUILD_TYPE=Release -DVOLT_SANITIZE=ON -DVOLT_BUILD_BENCH=OFF \
         -DVOLT_BUILD_EXAMPLES=OFF ${torch_dir:+-DCMAKE_PREFIX_PATH="$torch_dir"}
-  cmake --build "$sbuild" -j2 --target volt_tests
   # LibTorch and Open MPI keep allocations for the process's life (no leak checking); Open MPI's own malloc hooks
   # are left out, as AddressSanitizer owns malloc.
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     OMPI_MCA_memory=^patcher \
-    ctest --test-dir "$sbuild" --output-on-failure -j2 -R '^(unit|trainer|manual|loader|checkpoint|weights|optim|graph|transformer)$' ${ctest_args[@]+"${ctest_args[@]}"}
+    build_and_test "$sbuild" --target volt_tests -- -j2 \
+    -R '^(unit|trainer|manual|loader|checkpoint|weights|optim|graph|transformer)$' ${ctest_args[@]+"${ctest_args[@]}"}
   exit
 fi
-cmake --build "$build" -j2
-ctest --test-dir "$build" --output-on-failure -j2 ${ctest_args[@]+"${ctest_args[@]}"}
+build_and_test "$build" -- -j2 ${ctest_args[@]+"${ctest_args[@]}"}

@@ -57,6 +57,7 @@ using vt::run;
 using vt::run_until;
 using vt::self_exe;
 using vt::start;
+using vt::test_seed;
 using vt::wait_for;
 
 namespace {
@@ -162,34 +163,52 @@ int sigkill(const std::string& dir, int rounds, const std::string& variant) {
     return cmd;
   };
   if (run(train_cmd({self_exe(), "train", dir + "/ref_run", ref})) != 0) fail("the reference run failed");
-  std::random_device rd;
-  const unsigned seed = rd();
-  std::mt19937 rng(seed);
-  std::cout << "random seed " << seed << std::endl;
+  std::mt19937 rng(test_seed("sigkill"));
   for (int r = 0; r < rounds; ++r) {
     const int64_t kill_at = std::uniform_int_distribution<int64_t>(1, manual ? 70 : 46)(rng);  // of 72 or 48 steps
     const std::string run_dir = dir + "/run" + std::to_string(r), out = dir + "/out" + std::to_string(r) + ".ckpt";
     const auto lag = std::chrono::microseconds(std::uniform_int_distribution<int>(0, 4000)(rng));
+    int64_t printed = -1;  // the step whose "step N" line led to the kill
     const int status = run_until(train_cmd({self_exe(), "train", run_dir, out}), [&](const std::string& line) {
       // The first step at or past kill_at (manual optimization's two optimizers may step together, skipping a number).
       if (line.rfind("step ", 0) != 0 || std::stoll(line.substr(5)) < kill_at) return false;
+      printed = std::stoll(line.substr(5));
       std::this_thread::sleep_for(lag);  // the kill lands anywhere in the next step or its checkpoint write
       return true;
     });
     if (status != -SIGKILL) fail("the run to kill ended with status " + std::to_string(status));
+    // Every complete file reads (a temporary one may be left). A synchronous save is in place before "step N" is
+    // printed (ModelCheckpoint's hook runs before StepPrinter's), so last.ckpt holds step N or later. An asynchronous
+    // one may still be on the writer's thread when the kill lands: the files left hold earlier steps, or there is no
+    // file at all when the first write had not finished (nothing written is nothing lost: "last" then starts from the
+    // beginning). Either way the resume must end bit-identical to the reference.
     int files = 0;
-    for (const auto& e : fs::directory_iterator(run_dir)) {  // each complete file reads (a temporary one may be left)
+    int64_t newest = 0;  // the highest step any checkpoint left holds (0: none)
+    for (const auto& e : fs::directory_iterator(run_dir)) {
       if (e.path().extension() != ".ckpt") continue;
-      volt::checkpoint::read(e.path().string());
+      const auto file = volt::checkpoint::read(e.path().string());
+      newest = std::max(newest, file.at("loops").toGenericDict().at("global_step").toInt());
       ++files;
     }
-    const int64_t saved = volt::checkpoint::read(run_dir + "/last.ckpt").at("loops").toGenericDict().at("global_step").toInt();
-    std::cout << "round " << r << ": killed after step " << kill_at << "; its last checkpoint holds step " << saved
+    const bool has_last = fs::exists(run_dir + "/last.ckpt");
+    if (variant != "async" && !has_last) {
+      fail("round " + std::to_string(r) + ": no last.ckpt after a synchronous save of step " + std::to_string(printed));
+    }
+    const int64_t saved =
+        has_last ? volt::checkpoint::read(run_dir + "/last.ckpt").at("loops").toGenericDict().at("global_step").toInt() : 0;
+    if (variant != "async" && saved < printed) {
+      fail("round " + std::to_string(r) + ": last.ckpt holds step " + std::to_string(saved) + ", but step " +
+           std::to_string(printed) + " had been saved synchronously");
+    }
+    std::cout << "round " << r << ": killed after step " << printed << "; "
+              << (files == 0 ? std::string("no checkpoint had been written yet (the resume starts from the beginning)")
+                             : "its newest checkpoint holds step " + std::to_string(newest) +
+                                   (has_last ? "" : " (no last.ckpt)"))
               << " (" << files << " checkpoint files, all read)" << std::endl;
     if (run(train_cmd({self_exe(), "train", run_dir, out, "--resume"})) != 0) fail("the resumed run failed");
     std::string why;
     if (!identical(ref, out, &why)) fail("round " + std::to_string(r) + ": " + why);
-    std::cout << "round " << r << ": resumed from step " << saved << ", weights bit-identical  match" << std::endl;
+    std::cout << "round " << r << ": resumed with \"last\", weights bit-identical  match" << std::endl;
   }
   return 0;
 }
@@ -215,7 +234,7 @@ int kill_mid_write(const std::string& dir, int rounds) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string path = dir + "/c.ckpt";
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(test_seed("kill-mid-write"));
   int interrupted = 0;
   std::chrono::microseconds write_time{0};
   for (int r = 0; r < rounds; ++r) {
@@ -670,7 +689,7 @@ int signal_case(const std::string& kase, const std::string& dir, const std::vect
 
   if (run(cmd({dir + "/ref", dir + "/ref.ckpt", "0"})) != 0) fail("the uninterrupted run failed");
   const int64_t steps = launcher == "single" ? 48 : 24;
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(test_seed(("signal " + kase).c_str()));
   // mpirun passes SIGTERM on to the ranks some hundreds of milliseconds later: slower steps keep the run going
   const bool slow = kase == "mpirun-term";
   const std::string delay = slow ? "200" : "40";
@@ -789,7 +808,7 @@ int node_loss_case(const std::string& dir, const std::string& cluster) {
     if (std::chrono::steady_clock::now() > deadline) fail("no checkpoint was written in 60 s");
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(test_seed("node-loss"));
   std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(300, 1500)(rng)));
   link("down");
   const auto cut = std::chrono::steady_clock::now();
@@ -936,7 +955,7 @@ RequeuedRun submit_signalled_job(const std::string& dir, const std::string& clus
   if (job.empty() || job.find_first_not_of("0123456789\n") != std::string::npos) fail("sbatch said: " + job);
   RequeuedRun r;
   r.id = job.substr(0, job.find('\n'));
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(test_seed(("requeue " + how).c_str()));
   r.after = std::uniform_int_distribution<int64_t>(2, 18)(rng);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
   while (read_number(run_dir + "/progress") < r.after) {

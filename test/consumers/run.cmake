@@ -1,7 +1,7 @@
 # Builds and runs a consumer project of volt. MODE: find_package (install volt to a prefix first), add_subdirectory
 # (the consumer adds the source tree itself) or nccl (add_subdirectory, linking volt::nccl: configure only).
 # VOLT_PREFIX_PATH ('|' for ';') and VOLT_TORCH_DIR: what the build under test was configured with, so that the
-# consumer finds the same LibTorch.
+# consumer finds the same LibTorch; VOLT_LAUNCHER ('|' for ';'): its compiler launcher.
 file(REMOVE_RECURSE ${WORK})
 set(src ${CMAKE_CURRENT_LIST_DIR}/${MODE})
 string(REPLACE "|" ";" prefix_path "${VOLT_PREFIX_PATH}")
@@ -11,6 +11,10 @@ if(VOLT_GENERATOR)
 endif()
 if(VOLT_TORCH_DIR)
   list(APPEND args -DTorch_DIR=${VOLT_TORCH_DIR})
+endif()
+if(VOLT_LAUNCHER)  # the build under test's compiler launcher (ccache: cmake/voltCompilerCache.cmake)
+  string(REPLACE "|" "\\;" launcher "${VOLT_LAUNCHER}")
+  list(APPEND args "-DCMAKE_CXX_COMPILER_LAUNCHER=${launcher}")
 endif()
 if(MODE STREQUAL "find_package")
   execute_process(COMMAND ${CMAKE_COMMAND} --install ${VOLT_BUILD} --prefix ${WORK}/prefix RESULT_VARIABLE rc)

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -27,6 +28,24 @@ inline std::string self_exe() { return std::filesystem::read_symlink("/proc/self
 [[noreturn]] inline void fail(const std::string& what) {
   std::cout << "MISMATCH: " << what << std::endl;
   std::exit(1);
+}
+
+/// The seed of a randomized check: VOLT_TEST_SEED when set (to replay a failure), else a fresh one. Printed with the
+/// command that replays it, so a failure's output says how to see it again.
+inline unsigned test_seed(const char* what) {
+  unsigned seed = 0;
+  if (const char* given = std::getenv("VOLT_TEST_SEED"); given != nullptr && *given != '\0') {
+    char* end = nullptr;
+    const unsigned long v = std::strtoul(given, &end, 10);
+    if (*end != '\0' || v > 0xffffffffUL) {
+      fail(std::string("VOLT_TEST_SEED='") + given + "' is not a seed: give an unsigned 32-bit decimal number");
+    }
+    seed = static_cast<unsigned>(v);
+  } else {
+    seed = std::random_device{}();
+  }
+  std::cout << what << ": random seed " << seed << " (replay with VOLT_TEST_SEED=" << seed << ")" << std::endl;
+  return seed;
 }
 
 /// A started command: its pid and, when piped, its standard output.

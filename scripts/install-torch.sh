@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs pip's torch (LibTorch 2.x with CUDA: headers, libraries, TorchConfig.cmake) into a virtual environment
-# that later runs reuse, with safetensors (the tests read volt's weights files with it), and prints the LibTorch folder
-# to put on CMAKE_PREFIX_PATH.
+# that later runs reuse, with safetensors and NumPy (the tests read volt's weights files with them), and prints the
+# LibTorch folder to put on CMAKE_PREFIX_PATH.
 #   bash scripts/install-torch.sh [VERSION]     VERSION: 2.11 (default) or a full pip version such as 2.11.0
 # The environment lives in $VOLT_TORCH_VENV (default ~/.cache/volt/torch-VERSION). The wheel and its CUDA
 # libraries are about 2.7 GB to download (4.6 GB installed). Building against it needs the CUDA toolkit
@@ -18,7 +18,8 @@ if [ "$have" != "$version" ]; then
   echo "volt: installing torch==$version into $venv (about 2.7 GB to download)" >&2
   "$venv/bin/python" -m pip install --quiet --progress-bar off "torch==$version" >&2
 fi
-if ! "$venv/bin/python" -c 'import safetensors' 2>/dev/null; then
-  "$venv/bin/python" -m pip install --quiet --progress-bar off safetensors >&2
+# safetensors' torch writer (save_file) goes through NumPy since safetensors 0.8, and pip's torch does not bring it.
+if ! "$venv/bin/python" -c 'import safetensors, numpy' 2>/dev/null; then
+  "$venv/bin/python" -m pip install --quiet --progress-bar off safetensors numpy >&2
 fi
 torch_dir

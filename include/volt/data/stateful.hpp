@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <iostream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -200,9 +201,12 @@ class StatefulLoader {
       throw std::invalid_argument("volt: this loader state does not fit the loader:" + diff.str() +
                                   " build the loader as it was when the state was saved" + overfit + ".");
     }
-    if (state.epoch < 0 || state.consumed < 0 || state.consumed > state.dataset_size) {
+    // (the next pass's epoch is epoch + 1: the largest int64 has none)
+    if (state.epoch < 0 || state.epoch == std::numeric_limits<int64_t>::max() || state.consumed < 0 ||
+        state.consumed > state.dataset_size) {
       throw std::invalid_argument("volt: loader state epoch=" + std::to_string(state.epoch) + " consumed=" +
-                                  std::to_string(state.consumed) + " is out of range (consumed must lie in [0, " +
+                                  std::to_string(state.consumed) + " is out of range (epoch must lie in [0, " +
+                                  std::to_string(std::numeric_limits<int64_t>::max() - 1) + "], consumed in [0, " +
                                   std::to_string(state.dataset_size) + "]).");
     }
   }

@@ -16,6 +16,10 @@
 //                                                     alive) at step STEP (the job must end: --timeout S for a stall)
 //   distributed zero-inf STAGE                         ZeRO, a scaled loss, an inf on one rank: every rank skips the step
 //   distributed zero-unfreeze                          ZeRO<2> on 2 ranks, a layer unfrozen during the fit: refused
+//   distributed legacy-checkpoint write|resume DIR     checkpoints an earlier volt wrote (test/data/legacy/) resume
+//                                                     under DDP and ZeRO<2> as an uninterrupted run
+//   distributed manual-refusals                        ManualParallel on 2 ranks: a checkpoint refused
+//   distributed manual-weigh-loss                      ManualParallel on 2 ranks, weigh_loss: refused
 //   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
 //                                                     with MESSAGE in its output and leaves no process behind
 //   distributed gpu-zero <script|spawn>               the same with ZeRO<2, L, Nccl>
@@ -935,6 +939,86 @@ int weighted_loss_scenario() {
   return failures == 0 ? 0 : 1;
 }
 
+/// Saves a checkpoint to `path` inside the fit, after optimizer step `step` (mid-epoch, with the loader's position).
+struct SaveAtStep {
+  int64_t step = 0;
+  std::string path;
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
+    if (!path.empty() && trainer.global_step() == step) trainer.save_checkpoint(path);
+  }
+};
+
+/// Net on 2 ranks under `Strategy` for `steps` optimizer steps (96 samples, shuffled: 12 steps an epoch), resumed from
+/// `from` where given, saved to `save_to` after its last step (inside the fit) where given; its weights.
+template <class Strategy>
+torch::Tensor legacy_run(int64_t steps, const std::string& from, const std::string& save_to) {
+  auto [x, y] = data(96);
+  Net net;
+  auto trainer = volt::make_trainer<Strategy>({.devices = g_world, .max_steps = steps}, SaveAtStep{steps, save_to});
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}),
+              volt::NoLoader{}, from);
+  return flat(*net);
+}
+
+/// Checkpoints that volt wrote before DDP and ZeRO became one strategy with layouts (test/data/legacy/, written by
+/// `write` at that version, in a folder per LibTorch line, as each line's kernels round alike): `resume` continues each
+/// under today's strategy to 12 steps and must end on the weights of an uninterrupted 12-step run, bit for bit.
+int legacy_checkpoint_scenario(const std::string& mode, const std::string& folder) {
+  const std::string dir = folder + "/torch" + std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
+  using DDP = volt::DDP<volt::Script, volt::Mpi>;
+  using Zero = volt::ZeRO<2, volt::Script, volt::Mpi>;
+  if (mode == "write") {
+    legacy_run<DDP>(5, "", dir + "/ddp_world2_step5.ckpt");
+    legacy_run<Zero>(5, "", dir + "/zero2_world2_step5.ckpt");
+    return 0;
+  }
+  const torch::Tensor ddp = legacy_run<DDP>(12, dir + "/ddp_world2_step5.ckpt", "");
+  const torch::Tensor zero = legacy_run<Zero>(12, dir + "/zero2_world2_step5.ckpt", "");
+  const torch::Tensor ddp_whole = legacy_run<DDP>(12, "", ""), zero_whole = legacy_run<Zero>(12, "", "");
+  check(!torch::equal(legacy_run<DDP>(5, "", ""), ddp_whole), "the 7 steps after the checkpoint change the weights");
+  check(torch::equal(ddp, ddp_whole), "DDP resumed from the earlier version's checkpoint ends as the uninterrupted "
+                                      "run (max diff " + std::to_string((ddp - ddp_whole).abs().max().item<double>()) + ")");
+  check(torch::equal(zero, zero_whole), "ZeRO<2> resumed from the earlier version's checkpoint ends as the "
+                                        "uninterrupted run (max diff " +
+                                            std::to_string((zero - zero_whole).abs().max().item<double>()) + ")");
+  std::cout << "checkpoints of the earlier version resume under DDP and ZeRO<2> on " << g_world << " ranks" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
+/// ManualParallel on 2 ranks, where each rank may hold other parameters: a checkpoint (one file from rank zero) is
+/// refused on every rank with a CheckpointError, and nothing is written.
+int manual_refusals_scenario() {
+  using Manual = volt::ManualParallel<volt::Script, volt::Mpi>;
+  auto [x, y] = data(32);
+  Net net;
+  auto trainer = volt::make_trainer<Manual>({.devices = g_world, .max_steps = 1});
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch}));
+  const std::string path = "/tmp/volt_dist_manual_" + std::to_string(::getppid()) + ".ckpt";
+  std::string refused;
+  try {
+    trainer.save_checkpoint(path);
+  } catch (const volt::CheckpointError& e) {
+    refused = e.what();
+  }
+  check(refused.find("ManualParallel lets each rank hold different parameters") != std::string::npos,
+        "a checkpoint under ManualParallel on 2 ranks is refused with a CheckpointError (got \"" + refused + "\")");
+  check(!std::filesystem::exists(path), "the refused checkpoint wrote no file");
+  std::cout << "ManualParallel on " << g_world << " ranks: the checkpoint refused" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
+/// ManualParallel on 2 ranks, whose gradients volt does not average, with a loss weighted by tokens (which needs that
+/// average): refused in the first step (expect-failure checks the message).
+int manual_weigh_loss_scenario() {
+  const auto [tokens, lengths] = vt::ragged_tokens(24, 6, 11, 8);
+  vt::MaskedLM m;
+  volt::make_trainer<volt::ManualParallel<volt::Script, volt::Mpi>>({.devices = g_world, .max_steps = 1})
+      .fit(m, volt::data::TensorLoader(tokens, lengths, {.batch_size = 2}));
+  std::cerr << "fit returned although weigh_loss ran under ManualParallel" << std::endl;
+  return 3;
+}
+
 /// A name logged with sync_dist on rank 0 and without on rank 1 (a validation batch for each): every rank refuses it
 /// at the epoch's end with the same message (expect-failure checks it), none waits for a reduction the other skips.
 int metrics_mixed_scenario() {
@@ -1197,6 +1281,12 @@ const Mode kModes[] = {
      [](const std::vector<std::string>& a) { return a.at(1) == "1" ? zero_inf_scenario<1>() : zero_inf_scenario<2>(); }},
     {"zero-unfreeze", ": ZeRO<2> on 2 ranks whose module unfreezes a layer during the fit (refused)",
      [](const std::vector<std::string>&) { return zero_unfreeze_scenario(); }},
+    {"legacy-checkpoint", "write|resume DIR: checkpoints of an earlier volt (test/data/legacy/) resume exactly",
+     [](const std::vector<std::string>& a) { return legacy_checkpoint_scenario(a.at(1), a.at(2)); }},
+    {"manual-refusals", ": ManualParallel on 2 ranks refuses a one-file checkpoint",
+     [](const std::vector<std::string>&) { return manual_refusals_scenario(); }},
+    {"manual-weigh-loss", ": ManualParallel on 2 ranks with a token-weighted loss (refused)",
+     [](const std::vector<std::string>&) { return manual_weigh_loss_scenario(); }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
     {"profiler", ": the Profiler callback on 2 ranks: a trace per rank with the fit loop's ranges",
      [](const std::vector<std::string>&) { return profiler_scenario(); }},

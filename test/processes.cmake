@@ -60,6 +60,10 @@ volt_distributed_test(dist.metrics.mpirun ${volt_mpirun} ${dist} metrics)
 volt_distributed_test(dist.profiler.mpirun ${volt_mpirun} ${dist} profiler)
 volt_distributed_test(dist.checkpointing.mpirun ${volt_mpirun} ${dist} checkpointing)
 volt_distributed_test(dist.weighted_loss.mpirun ${volt_mpirun} ${dist} weighted-loss)
+volt_distributed_test(dist.manual_refusals.mpirun ${volt_mpirun} ${dist} manual-refusals)
+volt_distributed_test(dist.manual_weigh_loss_refused ${dist} expect-failure 60 "weigh_loss under a strategy whose ranks hold different parts" -- ${volt_mpirun} ${dist} manual-weigh-loss)
+volt_distributed_test(dist.legacy_checkpoint.mpirun ${volt_mpirun} ${dist} legacy-checkpoint resume
+                      ${CMAKE_CURRENT_SOURCE_DIR}/data/legacy)
 volt_distributed_test(dist.metrics.mixed_options ${dist} expect-failure 30 "was logged with other options" -- ${volt_mpirun} ${dist} metrics-mixed)
 volt_distributed_test(dist.collectives.mpirun3 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} collectives)
 # ZeRO against a one-process loop: each stage, optimizer, world size (2, 4) and launch (mpirun, self-relaunch) once.

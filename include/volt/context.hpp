@@ -14,6 +14,7 @@
 #include "volt/metric_store.hpp"
 #include "volt/errors.hpp"
 #include "volt/options.hpp"
+#include "volt/stage.hpp"
 
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
@@ -35,20 +36,6 @@
 #include <vector>
 
 namespace volt {
-
-/// Which loop is running. `sanity_check` is the short validation run before training.
-enum class Stage { train, sanity_check, validate, test, predict };
-
-inline const char* to_string(Stage s) {
-  switch (s) {
-    case Stage::train: return "train";
-    case Stage::sanity_check: return "sanity_check";
-    case Stage::validate: return "validate";
-    case Stage::test: return "test";
-    case Stage::predict: return "predict";
-  }
-  return "?";
-}
 
 namespace detail {
 
@@ -119,14 +106,6 @@ struct LoopState {
   ManualOptimization* manual = nullptr;              // the fit's manual step, under manual optimization
   torch::Tensor loss_units;  // what training_step's loss is a mean over (Context::weigh_loss); undefined: not said
 };
-
-/// A duration as a clock shows it, rounded to seconds: "02:03", or "1:02:03" from an hour on (the progress bar's
-/// times, the max_time notice).
-inline std::string clock_text(double seconds) {
-  const auto t = static_cast<int64_t>(seconds + 0.5);
-  const auto two = [](int64_t v) { return std::string(v < 10 ? "0" : "") + std::to_string(v); };
-  return (t >= 3600 ? std::to_string(t / 3600) + ":" : std::string()) + two(t / 60 % 60) + ":" + two(t % 60);
-}
 
 /// An exception's message for a StepError: LibTorch's errors without the C++ backtrace LibTorch 1.x appends to
 /// every message (twenty frames for "Target 10 is out of bounds"), unless `TORCH_SHOW_CPP_STACKTRACES=1` asks for

@@ -6,6 +6,8 @@
 /// bar and loggers; a checkpoint keeps the training epoch's sums (connectors/checkpoint_connector.hpp). Graph mode
 /// redirects a captured step's calls to a `LogRecorder` and adds its values back after each replay.
 
+#include "volt/reduce.hpp"
+
 #include <torch/types.h>
 
 #include <algorithm>
@@ -18,10 +20,6 @@
 #include <vector>
 
 namespace volt {
-
-/// How a logged value is reduced over an epoch (and across ranks when `sync_dist` is set).
-/// `mean` is weighted by batch size, as Lightning's default.
-enum class Reduce { mean, sum, max, min };
 
 /// Options of one `Context::log` call; Lightning's `self.log` keywords.
 struct LogOptions {

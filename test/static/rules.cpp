@@ -182,10 +182,13 @@ static_assert(volt::detail::slots_ok<volt::SingleDevice, volt::Fp32, CPU>);
 static_assert(!volt::detail::slots_ok<volt::Fp32, volt::SingleDevice, CPU>);
 
 // ---- capabilities the loops read ----------------------------------------------------------------------------
-// one file from rank zero holds the model only when every rank holds the same parameters (strategies/concept.hpp)
-static_assert(volt::SingleDevice::replicates_module && volt::DDP<volt::Script>::replicates_module);
-static_assert(volt::ZeRO<2>::replicates_module);  // its checkpoint's optimizer state is gathered to rank zero
-static_assert(!volt::ManualParallel<volt::Script>::replicates_module);
+// a token-weighted loss is weighed across ranks only where volt averages the gradients (strategies/concept.hpp)
+static_assert(volt::SingleDevice::averages_gradients && volt::DDP<volt::Script>::averages_gradients);
+static_assert(volt::ZeRO<2>::averages_gradients);
+static_assert(!volt::ManualParallel<volt::Script>::averages_gradients);
+// DDP and ZeRO are one data-parallel strategy with their layouts (strategies/data_parallel.hpp)
+static_assert(std::is_same_v<volt::DDP<volt::Script, volt::Mpi>, volt::DataParallel<volt::Replicated, volt::Script, volt::Mpi>>);
+static_assert(std::is_same_v<volt::ZeRO<1, volt::Spawn>, volt::DataParallel<volt::Sharded<1>, volt::Spawn>>);
 static_assert(std::is_void_v<volt::SingleDevice::backend_type>);
 static_assert(std::is_same_v<volt::DDP<volt::Script, volt::Mpi>::backend_type, volt::Mpi>);
 // Script joins an outside mpirun/srun job, Spawn refuses one (launchers/concept.hpp)

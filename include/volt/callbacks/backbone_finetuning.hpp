@@ -4,7 +4,7 @@
 /// trained at a learning rate of its own that grows each epoch, as Lightning's `BackboneFinetuning`.
 
 #include "volt/callbacks/concept.hpp"
-#include "volt/context.hpp"
+#include "volt/stage.hpp"
 #include "volt/errors.hpp"
 #include "volt/weights.hpp"
 

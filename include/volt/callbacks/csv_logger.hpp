@@ -2,7 +2,7 @@
 
 #include "volt/callbacks/concept.hpp"
 #include "volt/callbacks/log_dir.hpp"
-#include "volt/context.hpp"
+#include "volt/stage.hpp"
 
 #include <cstdint>
 #include <filesystem>

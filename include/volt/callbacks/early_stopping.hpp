@@ -1,7 +1,7 @@
 #pragma once
 
 #include "volt/callbacks/concept.hpp"
-#include "volt/context.hpp"
+#include "volt/stage.hpp"
 
 #include <cmath>
 #include <cstdint>

@@ -2,7 +2,7 @@
 
 #include "volt/callbacks/concept.hpp"
 #include "volt/checkpoint.hpp"
-#include "volt/context.hpp"
+#include "volt/stage.hpp"
 
 #include <algorithm>
 #include <cmath>

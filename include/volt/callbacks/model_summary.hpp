@@ -5,7 +5,6 @@
 /// start of a fit.
 
 #include "volt/callbacks/concept.hpp"
-#include "volt/context.hpp"
 
 #include <torch/nn/module.h>
 

@@ -1,7 +1,7 @@
 #pragma once
 
 #include "volt/callbacks/concept.hpp"
-#include "volt/context.hpp"
+#include "volt/detail/clock_text.hpp"
 
 #include <torch/types.h>
 

@@ -4,7 +4,7 @@
 #include "volt/callbacks/log_dir.hpp"
 #include "volt/callbacks/model_summary.hpp"
 #include "volt/callbacks/tensorboard_events.hpp"
-#include "volt/context.hpp"
+#include "volt/stage.hpp"
 #include "volt/errors.hpp"
 
 #include <unistd.h>

@@ -16,7 +16,7 @@
 /// needs the `volt::nccl` CMake target, which defines VOLT_WITH_NCCL). `AutoBackend` lets the strategy pick:
 /// Nccl on GPU, Mpi on CPU, as Lightning picks nccl and gloo.
 
-#include "volt/context.hpp"
+#include "volt/reduce.hpp"
 
 #include <c10/util/StringUtil.h>
 #include <torch/types.h>

@@ -6,7 +6,7 @@
 
 #include "volt/comm/concept.hpp"
 #include "volt/comm/runtime.hpp"
-#include "volt/context.hpp"
+#include "volt/reduce.hpp"
 
 #include <torch/types.h>
 

@@ -85,7 +85,7 @@ class AutomaticStep {
                              "none.");
     }
     if (!*weighted_) return w.size > 1 ? loss / static_cast<double>(w.size) : loss;
-    if constexpr (!std::remove_reference_t<decltype(p_.strategy)>::replicates_module) {
+    if constexpr (!std::remove_reference_t<decltype(p_.strategy)>::averages_gradients) {
       throw std::logic_error("volt: weigh_loss under a strategy whose ranks hold different parts of the model "
                              "(ManualParallel), whose gradients volt does not average; weigh the loss in "
                              "training_step instead.");

@@ -6,7 +6,7 @@
 /// `ShuffleOff`, a loader's shuffling turned off for overfit_batches.
 
 #include "volt/batch.hpp"
-#include "volt/context.hpp"
+#include "volt/stage.hpp"
 #include "volt/data/concept.hpp"
 #include "volt/options.hpp"
 

@@ -9,7 +9,7 @@
 /// |---|---|
 /// | `static constexpr bool is_distributed` | more than one process may take part |
 /// | `static constexpr const char* name` | for messages |
-/// | `static constexpr bool replicates_module` | every rank holds the same parameters, so rank zero's one-file checkpoint holds the whole model (ManualParallel: false) |
+/// | `static constexpr bool averages_gradients` | the strategy averages the module's gradients over the ranks (a world of one trivially; ManualParallel: false, they are the module's business), so a token-weighted loss (`Context::weigh_loss`) can be weighed across ranks |
 /// | `using backend_type` | the collective backend (`Mpi`, `Nccl`, `AutoBackend`), or `void` for none; rules.hpp checks it against the accelerator |
 /// | `template <class A> using with_accelerator` (optional) | the strategy the Trainer runs on accelerator `A` (DDP resolves `AutoBackend` there); absent: the strategy itself |
 /// | `check_devices(const TrainerOptions&, int available, const char* accelerator)` | phase (b): throw if `devices`/`num_nodes` cannot work |
@@ -18,6 +18,8 @@
 /// | `setup_environment(torch::Device)` | process group, device selection (lazy: phase (c)) |
 /// | `setup_module(torch::nn::Module&)` | places the module (and broadcasts it, in data parallelism) |
 /// | `process_dataloader(loader, Stage) -> loader` | shards, wraps or returns the loader as it is |
+/// | `module_state(const torch::nn::Module&, bool on_device) -> c10::Dict<std::string, at::Tensor>` | collective: the module's whole state (parameters and buffers by dotted name) for rank zero's checkpoint, empty on the other ranks; throws a `CheckpointError` where one file cannot hold the model (ManualParallel on several ranks); `on_device`: the tensors left where they are |
+/// | `load_module_state(torch::nn::Module&, const checkpoint::Dict&)` | every rank loads such a whole state (checked against the module before) into what it holds |
 /// | `global_rank()`, `local_rank()`, `world_size()`, `is_global_zero()` | this process's place |
 /// | `root_device() -> torch::Device` | where batches go |
 /// | `all_reduce(const torch::Tensor&, Reduce) -> torch::Tensor` | a reduced copy across ranks |
@@ -41,7 +43,8 @@
 /// for a start. The phases (a), (b), (c) are defined in volt/rules.hpp.
 
 #include "volt/checkpoint.hpp"
-#include "volt/context.hpp"
+#include "volt/reduce.hpp"
+#include "volt/stage.hpp"
 #include "volt/detail/fit_transfer.hpp"
 #include "volt/detail/torch_compat.hpp"
 #include "volt/optim/gradients.hpp"
@@ -72,10 +75,11 @@ struct ProbeTransfer {
 template <class S>
 concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, torch::nn::Module& m,
                             const torch::Tensor& t, std::vector<torch::Tensor>& loader,
-                            detail::ProbeTransfer& transfer, torch::optim::Optimizer& optimizer) {
+                            detail::ProbeTransfer& transfer, torch::optim::Optimizer& optimizer,
+                            const checkpoint::Dict& state) {
   { S::is_distributed } -> std::convertible_to<bool>;
   { S::name } -> std::convertible_to<const char*>;
-  { S::replicates_module } -> std::convertible_to<bool>;
+  { S::averages_gradients } -> std::convertible_to<bool>;
   typename S::backend_type;
   s.check_devices(options, 1, "CPU");
   s.launch(detail::ProbeBody{});
@@ -83,6 +87,8 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
   s.setup_environment(torch::Device(torch::kCPU));
   s.setup_module(m);
   s.process_dataloader(loader, Stage::train);
+  { s.module_state(m, false) } -> std::convertible_to<c10::Dict<std::string, at::Tensor>>;
+  s.load_module_state(m, state);
   { cs.global_rank() } -> std::convertible_to<int>;
   { cs.local_rank() } -> std::convertible_to<int>;
   { cs.world_size() } -> std::convertible_to<int>;
@@ -115,7 +121,16 @@ inline constexpr bool shards_optimizer_state = requires { requires S::shards_opt
 /// no-op backward hooks and teardown. A strategy that derives from it redefines what differs.
 struct StrategyDefaults {
   using backend_type = void;
-  static constexpr bool replicates_module = true;
+  static constexpr bool averages_gradients = true;
+
+  /// A world of one: the module's state (checkpoint::module_state).
+  c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device) {
+    return checkpoint::module_state(module, on_device);
+  }
+  /// A world of one: the state copied into the module (checkpoint::load_module_state).
+  void load_module_state(torch::nn::Module& module, const checkpoint::Dict& state) {
+    checkpoint::load_module_state(module, state);
+  }
 
   /// A world of one: this rank's tensor, stacked.
   torch::Tensor all_gather(const torch::Tensor& t) { return t.detach().unsqueeze(0).clone(); }

@@ -6,10 +6,12 @@
 /// `ctx.broadcast_`, `ctx.barrier`), and touches nothing else: the module is not moved or broadcast,
 /// loaders are used as they are, and gradients are the module's business (average them in
 /// `on_after_backward` or `on_before_optimizer_step`, by whatever count is right).
-/// Checkpoints: one file from rank zero holds only that rank's parameters, so save_checkpoint refuses
-/// with more than one rank.
+/// Checkpoints: one file from rank zero would hold only that rank's parameters, so `module_state` (and with it
+/// save_checkpoint) refuses with more than one rank.
 /// See examples/manual_variable_batch.cpp and examples/manual_sharded_embedding.cpp.
 
+#include "volt/checkpoint.hpp"
+#include "volt/errors.hpp"
 #include "volt/launchers/script.hpp"
 #include "volt/launchers/spawn.hpp"
 #include "volt/strategies/concept.hpp"
@@ -17,6 +19,7 @@
 
 #include <torch/nn/module.h>
 
+#include <string>
 #include <utility>
 
 namespace volt {
@@ -25,15 +28,25 @@ template <class L = Script, class B = AutoBackend>
 class ManualParallel : public detail::ProcessGroupStrategy<L, B> {
  public:
   static constexpr const char* name = "ManualParallel";
-  /// Ranks may hold different parameters: a one-file checkpoint from rank zero would lose them, so
-  /// Trainer::save_checkpoint refuses to write one when more than one rank runs.
-  static constexpr bool replicates_module = false;
+  /// Gradients are the module's business: volt does not average them.
+  static constexpr bool averages_gradients = false;
   template <class A>
   using with_accelerator = ManualParallel<L, resolve_backend_t<B, A>>;
 
-  ManualParallel() { this->spec_.strategy = "ManualParallel"; }
+  ManualParallel() : detail::ProcessGroupStrategy<L, B>(name) {}
 
   void setup_module(torch::nn::Module& /*module: placed by itself*/) {}
+
+  /// Ranks may hold different parameters: a one-file checkpoint from rank zero would lose them, so with more than one
+  /// rank this refuses (every rank alike, before anything is written).
+  c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device) {
+    if (this->world_size() > 1) {
+      throw CheckpointError(std::string("volt: ") + name + " lets each rank hold different parameters, and a "
+                            "checkpoint is one file written by rank zero; save each rank's weights yourself "
+                            "(checkpoint::module_state) instead.");
+    }
+    return checkpoint::module_state(module, on_device);
+  }
 
   template <class Loader>
   Loader&& process_dataloader(Loader&& loader, Stage) {

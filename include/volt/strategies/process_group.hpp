@@ -2,8 +2,10 @@
 /// \file
 /// What every multi-process strategy shares: the launcher, this process's place in the job, the collective
 /// backend, and the strategy hooks built on them (ranks, devices, all_reduce, decisions, barrier).
-/// `DDP` and `ManualParallel` derive from it and add what they do to modules, loaders and gradients.
+/// `DataParallel` (DDP, ZeRO) and `ManualParallel` derive from it and add what they do to modules, loaders and
+/// gradients, through its public members (the launch's settings and the processes stay its own).
 
+#include "volt/checkpoint.hpp"
 #include "volt/cluster/environment.hpp"
 #include "volt/comm/concept.hpp"
 #include "volt/comm/mpi.hpp"
@@ -12,6 +14,7 @@
 #include "volt/strategies/concept.hpp"
 #include "volt/options.hpp"
 
+#include <torch/nn/module.h>
 #include <torch/types.h>
 
 #include <memory>
@@ -41,6 +44,9 @@ class ProcessGroupStrategy : public StrategyDefaults {
   using launcher_type = typename CheckedLauncher<L>::type;
   using backend_type = B;
   static constexpr bool is_distributed = true;
+
+  /// `name`: the strategy's, for the launcher's messages.
+  explicit ProcessGroupStrategy(const char* name) { spec_.strategy = name; }
 
   /// Phase (b): devices and num_nodes, and (Script) that they agree with an outside launch.
   void check_devices(const TrainerOptions& options, int /*available: the Trainer checks it*/, const char* /*accelerator*/) {
@@ -120,6 +126,11 @@ class ProcessGroupStrategy : public StrategyDefaults {
     return procs_.group->all_gather_bytes(bytes);
   }
 
+  /// Every rank holds the whole module: rank zero's state is the checkpoint's; the other ranks make none.
+  c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device) {
+    return is_global_zero() ? checkpoint::module_state(module, on_device) : c10::Dict<std::string, at::Tensor>();
+  }
+
   /// Rank zero's checkpoint holds the optimizer's archive; the other ranks make none.
   at::Tensor optimizer_state(torch::optim::Optimizer& optimizer) {
     return is_global_zero() ? checkpoint::optimizer_state(optimizer) : at::Tensor();
@@ -130,7 +141,7 @@ class ProcessGroupStrategy : public StrategyDefaults {
     return *backend_;
   }
 
- protected:
+ private:
   torch::Tensor on_backend_device(const torch::Tensor& t) const {
     const bool fits = t.is_cpu() ? backend_traits<B>::supports_cpu : backend_traits<B>::supports_cuda;
     return (fits ? t : t.to(device_)).detach();

@@ -32,7 +32,9 @@
 
 #include "volt/comm/concept.hpp"
 #include "volt/comm/watchdog.hpp"
-#include "volt/context.hpp"
+#include "volt/errors.hpp"
+#include "volt/reduce.hpp"
+#include "volt/stage.hpp"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>

@@ -28,12 +28,8 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
   if (std::any_of(paths.begin(), paths.end(), [](const std::string& p) { return p.empty(); }) || paths.empty()) {
     throw std::invalid_argument("volt: save_checkpoint needs a file path; got an empty string.");
   }
-  if (!strategy_type::replicates_module && strategy_.world_size() > 1) {
-    throw CheckpointError(std::string("volt: ") + strategy_type::name +
-                          " lets each rank hold different parameters, and a checkpoint is one file written by "
-                          "rank zero; save each rank's weights yourself (checkpoint::module_state) instead of " +
-                          path + ".");
-  }
+  // The module's state, from the strategy that holds it (collective; ManualParallel refuses on several ranks).
+  const c10::Dict<std::string, at::Tensor> weights = strategy_.module_state(*module_, /*on_device=*/options.async_save);
   // Every rank's share, gathered on every rank (collectives): generator states and mid-window gradients.
   std::vector<at::Tensor> rng, optimizers;
   c10::impl::GenericList grads(c10::AnyType::get()), metrics(c10::AnyType::get());
@@ -54,7 +50,7 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
   }
   if (strategy_.is_global_zero()) {
     checkpoint::Dict d = checkpoint::make_dict();
-    d.insert(checkpoint::keys::state_dict, checkpoint::module_state(*module_, /*on_device=*/options.async_save));
+    d.insert(checkpoint::keys::state_dict, weights);
     if (!weights_only) {
       checkpoint::FitState fit;
       std::vector<int64_t> optimizer_steps;
@@ -144,7 +140,7 @@ void Trainer<S, P, A, Cs...>::load_for_evaluation(Impl& module, const std::strin
   if constexpr (requires(const checkpoint::Dict& c) { module.on_load_checkpoint(c); }) {
     module.on_load_checkpoint(file.dict());
   }
-  checkpoint::load_module_state(module, weights.dict());
+  strategy_.load_module_state(module, weights.dict());
 }
 
 /// Reads and checks `path` (checkpoint_connector.hpp), then loads all of it: on any error nothing is changed.
@@ -187,7 +183,7 @@ detail::ResumePoint Trainer<S, P, A, Cs...>::restore(Impl& module, TL& train_loa
     if (optim_[i].config.scheduler) checkpoint::load_scheduler_step_count(*optim_[i].config.scheduler, r.scheduler_step_counts[k++]);
     optim_[i].steps = r.point.optimizer_steps.empty() ? r.point.global_step : r.point.optimizer_steps[i];
   }
-  checkpoint::load_module_state(module, r.weights);
+  strategy_.load_module_state(module, r.weights);
   {
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < r.grads.size(); ++i) {

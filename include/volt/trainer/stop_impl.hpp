@@ -4,6 +4,8 @@
 /// (SIGTERM, SIGINT, the requeue signal) or when max_time has passed: the agreement between ranks, the checkpoint and
 /// where it goes, the SLURM requeue. Not a header of its own: include volt/trainer.hpp.
 
+#include "volt/detail/clock_text.hpp"
+
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>

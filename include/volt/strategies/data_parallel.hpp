@@ -1,0 +1,136 @@
+#pragma once
+/// \file
+/// `volt::DataParallel<Layout, Launcher, Backend>`: data parallelism, with what each rank holds of the parameters,
+/// gradients and optimizer state as a policy (`Layout`). `DDP` (strategies/ddp.hpp) is `DataParallel<Replicated>`
+/// and `ZeRO<Stage>` (strategies/zero.hpp) is `DataParallel<Sharded<Stage>>`, as ensmallen's `Adam` is
+/// `AdamType<AdamUpdate>`: one strategy, several names.
+///
+/// What every layout shares is here: the process group (`detail::ProcessGroupStrategy`: launcher, ranks,
+/// collectives), the module's set-up (moved to the rank's device, rank 0's parameters and buffers broadcast),
+/// the loaders' sharding, and the gradient buckets' sizes. What differs (the gradient hooks, what the optimizer
+/// steps, what a checkpoint gathers) is the layout's `Holder` (strategies/replicated.hpp says its shape), to which the
+/// strategy's members forward, handing it the strategy; a layout reaches the strategy through its public members only.
+
+#include "volt/data/concept.hpp"
+#include "volt/launchers/script.hpp"
+#include "volt/launchers/spawn.hpp"
+#include "volt/strategies/concept.hpp"
+#include "volt/strategies/process_group.hpp"
+#include "volt/strategies/reducer.hpp"
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstddef>
+#include <iostream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+template <class Layout, class L = Script, class B = AutoBackend>
+class DataParallel : public detail::ProcessGroupStrategy<L, B> {
+ public:
+  using layout_type = Layout;
+  static constexpr const char* name = Layout::name;
+  /// Whether the optimizer steps this rank's pieces only (rules.hpp: no manual optimization, agreed inf checks).
+  static constexpr bool shards_optimizer_state = Layout::stage > 0;
+  /// The strategy the Trainer runs for accelerator `A` (the backend resolved).
+  template <class A>
+  using with_accelerator = DataParallel<Layout, L, resolve_backend_t<B, A>>;
+
+  DataParallel() : detail::ProcessGroupStrategy<L, B>(name) {}
+
+  /// Moves the module and makes every rank start from rank 0's parameters and buffers. The layout is not touched:
+  /// DDP's reducer ended with the last fit (teardown), and ZeRO's layout stays until its next fit.
+  void setup_module(torch::nn::Module& module) {
+    module.to(this->root_device());
+    torch::NoGradGuard no_grad;
+    for (auto& p : module.parameters()) this->backend().broadcast_(p, 0);
+    for (auto& b : module.buffers()) this->backend().broadcast_(b, 0);
+    params_ = module.parameters();
+  }
+
+  /// Shards loaders that can be sharded: for training, one per-epoch permutation on every rank, padded; for
+  /// evaluation and prediction, the one-process batches dealt out in turn where the loader can (no sample twice,
+  /// so means are over the real samples and predict's gathered results are the one-process results; a rank may get
+  /// none).
+  template <class Loader>
+  decltype(auto) process_dataloader(Loader&& loader, Stage stage) {
+    if constexpr (data::SplittableLoader<std::remove_cvref_t<Loader>>) {
+      const auto split = stage == Stage::train ? data::Split::padded_samples : data::Split::whole_batches;
+      // Fewer evaluation batches than ranks leave some ranks none: they take part in the epoch's reductions with
+      // empty sums (connectors/logger_connector.hpp), as Lightning runs such a loader.
+      return loader.shard(this->global_rank(), this->world_size(), split);
+    } else if constexpr (requires { loader.shard(0, 1); }) {
+      if (stage != Stage::train) warn_once("a loader without shard(rank, world_size, volt::data::Split) is split for "
+                                           "evaluation as for training: padded, so some samples count twice.");
+      return loader.shard(this->global_rank(), this->world_size());
+    } else {
+      warn_once("DDP was given a loader without shard(rank, world_size); every rank iterates all of it. Shard it "
+                "yourself, or use volt::data's loaders.");
+      return std::forward<Loader>(loader);
+    }
+  }
+
+  /// Gradient bucket sizes in bytes (PyTorch's defaults: 1 MiB for the first bucket, 25 MiB for the rest).
+  /// Takes effect at the next fit.
+  void set_bucket_bytes(std::size_t first_bucket, std::size_t other_buckets) {
+    if (first_bucket == 0 || other_buckets == 0) {
+      throw ConfigError("volt: DDP bucket sizes must be positive, got first=" + std::to_string(first_bucket) +
+                        " and others=" + std::to_string(other_buckets) + " bytes.");
+    }
+    first_bucket_bytes_ = first_bucket;
+    bucket_bytes_ = other_buckets;
+  }
+  /// The first bucket's size and the others', in bytes.
+  std::pair<std::size_t, std::size_t> bucket_bytes() const { return {first_bucket_bytes_, bucket_bytes_}; }
+  /// The module's parameters, as the last `setup_module` found them.
+  const std::vector<torch::Tensor>& module_parameters() const { return params_; }
+
+  void setup_optimizer(torch::optim::Optimizer& optimizer) { holder_.setup_optimizer(*this, optimizer); }
+  void zero_grad(torch::optim::Optimizer& optimizer) { holder_.zero_grad(*this, optimizer); }
+  /// Before a backward: `sync` is true on the micro-batch that steps (the others only accumulate).
+  void pre_backward(bool sync) { holder_.pre_backward(*this, sync); }
+  /// After it: gradients averaged across ranks (each rank's share of them, where the layout shards them).
+  void post_backward() { holder_.post_backward(*this); }
+  void clip_gradients(const std::vector<at::Tensor>& params, double value, ClipAlgorithm algorithm) {
+    holder_.clip_gradients(*this, params, value, algorithm);
+  }
+  template <class P>
+  bool optimizer_step(P& precision, torch::optim::Optimizer& optimizer) {
+    return holder_.optimizer_step(*this, precision, optimizer);
+  }
+  /// Collective: the optimizer's archive for rank zero's checkpoint, in the layout of an unsharded run.
+  at::Tensor optimizer_state(torch::optim::Optimizer& optimizer) { return holder_.optimizer_state(*this, optimizer); }
+  /// Loads an archive of any data-parallel layout and world size (refused, unchanged, when it does not fit).
+  void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& bytes, const std::string& path) {
+    holder_.load_optimizer_state(*this, optimizer, bytes, path);
+  }
+  void teardown() { holder_.teardown(); }
+
+  /// Bytes of gradients this rank holds between steps, during a fit: the module's `.grad` and the layout's buffers;
+  /// not the optimizer's state.
+  std::size_t gradient_bytes() const { return holder_.gradient_bytes(); }
+  /// The gradient buckets of the running or last fit (parameter indices in fill order); empty before the first
+  /// backward.
+  std::vector<std::vector<std::size_t>> bucket_layout() const { return holder_.bucket_layout(); }
+
+ private:
+  void warn_once(const char* what) {
+    if (!warned_ && this->is_global_zero() && this->world_size() > 1) {
+      warned_ = true;
+      std::cerr << "volt: " << what << "\n";
+    }
+  }
+
+  std::vector<torch::Tensor> params_;
+  typename Layout::template Holder<B> holder_;
+  std::size_t first_bucket_bytes_ = detail::kFirstBucketBytes;
+  std::size_t bucket_bytes_ = detail::kBucketBytes;
+  bool warned_ = false;
+};
+
+}  // namespace volt

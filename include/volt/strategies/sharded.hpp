@@ -1,0 +1,400 @@
+#pragma once
+/// \file
+/// `volt::Sharded<Stage>`: the layouts of `DataParallel` in which the optimizer state is sharded across ranks (stage 1)
+/// and the gradients too (stage 2), as DeepSpeed's ZeRO stages 1 and 2 (arXiv:1910.02054); `ZeRO<Stage>` is the
+/// strategy (strategies/zero.hpp, which says what it does for a user). A layout's shape is in
+/// strategies/replicated.hpp.
+///
+/// At a fit's start (`setup_optimizer`, after `configure_optimizers`) the parameters that require gradients are laid
+/// out in the reducer's buckets, each padded to a multiple of the world size W, each parameter a view into its
+/// bucket's flat buffer (`detail::ShardLayout`); rank r owns block r of every bucket, and the optimizer's groups are
+/// given this rank's pieces in place of the parameters. On the micro-batch that steps, each bucket is
+/// reduce-scattered as its last gradient arrives; after the step every bucket is all-gathered in place. A checkpoint
+/// gathers the pieces' states into the layout of an unsharded run, and a resume cuts any such state by this run's
+/// world size (strategies/zero_state.hpp).
+
+#include "volt/checkpoint.hpp"
+#include "volt/errors.hpp"
+#include "volt/optim/gradients.hpp"
+#include "volt/options.hpp"
+#include "volt/reduce.hpp"
+#include "volt/strategies/reducer.hpp"
+#include "volt/strategies/shard_layout.hpp"
+#include "volt/strategies/zero_state.hpp"
+
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+namespace detail {
+
+/// What one rank holds under `Sharded<Stage>`: the reducer, the layout of the parameters in its buckets and this
+/// rank's pieces, and the optimizers' full parameter lists (for checkpoints). `B` is the backend; each member is
+/// handed the strategy `G`.
+template <int Stage, class B>
+class ShardedHolder {
+ public:
+  /// Lays the parameters out (at each fit's start: the module was placed, broadcast and cast by then) and gives
+  /// `optimizer` this rank's pieces in place of the parameters. The layout stays after the fit, so that validate,
+  /// test or a save after it see the parameters and optimizer as the fit left them.
+  template <class G>
+  void setup_optimizer(G& g, torch::optim::Optimizer& optimizer) {
+    drop_layout();  // once per fit: automatic optimization has one optimizer
+    detail::with_state_codec(optimizer, [](auto) {});  // refuses an optimizer whose state is not elementwise
+    if (!optimizer.state().empty()) {
+      throw ConfigError("volt: ZeRO shards an optimizer before its first step; the one configure_optimizers returned "
+                        "already holds state. Load state through fit(..., ckpt_path) instead.");
+    }
+    params_ = g.module_parameters();
+    const auto [first, others] = g.bucket_bytes();
+    reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), first, others,
+                                            Stage == 1 ? GradSync::reduce_scatter : GradSync::reduce_scatter_to_blocks);
+    shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size());
+    std::vector<std::vector<at::Tensor>> full;
+    for (auto& group : optimizer.param_groups()) {
+      full.push_back(group.params());
+      group.params() = pieces_for(group.params());
+    }
+    full_params_[&optimizer] = std::move(full);
+  }
+
+  /// The pieces' gradients and the module's.
+  template <class G>
+  void zero_grad(G& /*strategy*/, torch::optim::Optimizer& optimizer) {
+    detail::zero_grad(optimizer);
+    detail::zero_grad(params_, /*keep_tensors=*/false);
+  }
+
+  template <class G>
+  void pre_backward(G& /*strategy*/, bool sync) {
+    if (!shards_) throw std::logic_error("volt: ZeRO's backward ran before setup_optimizer laid the parameters out.");
+    if (sync) shards_->check_aliasing(params_);
+    synced_ = sync;
+    reducer_->prepare(sync);
+  }
+  /// After a synchronised backward: the pieces' gradients are this rank's averaged blocks.
+  template <class G>
+  void post_backward(G& /*strategy*/) {
+    reducer_->finish();
+    if (!synced_) return;
+    synced_ = false;
+    const auto& buckets = reducer_->buckets();
+    for (const ShardPiece& piece : shards_->pieces()) {
+      const auto& b = buckets[piece.bucket];
+      at::Tensor& grad = piece.tensor.mutable_grad();
+      if (!b.taking_part[piece.slot]) {
+        grad = at::Tensor();
+      } else if constexpr (Stage == 2) {
+        grad = alias(reducer_->blocks()[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket),
+                     piece.numel);
+      } else {
+        grad = alias(b.flat, piece.bucket_offset, piece.numel);
+      }
+    }
+  }
+
+  /// Clips this rank's pieces' gradients (detail::clip_gradients): by value elementwise, by norm with the norm over
+  /// every rank's pieces (the module's parameters, given, hold no gradients between a synchronised backward and the
+  /// step).
+  template <class G>
+  void clip_gradients(G& g, const std::vector<at::Tensor>& /*module_params*/, double value, ClipAlgorithm algorithm) {
+    std::vector<at::Tensor> pieces;
+    for (const ShardPiece& piece : shards_->pieces()) pieces.push_back(piece.tensor);
+    detail::clip_gradients(pieces, value, algorithm, NormOverRanks<G>{&g});
+  }
+
+  /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.
+  template <class G, class P>
+  bool optimizer_step(G& g, P& precision, torch::optim::Optimizer& optimizer) {
+    precision.agree_found_inf(optimizer, [&](at::Tensor& found) { g.backend().all_reduce_(found, Reduce::max); });
+    const bool stepped = precision.optimizer_step(optimizer);
+    if (stepped) gather_parameters(g);
+    return stepped;
+  }
+
+  /// Collective: the optimizer's state in the layout of an unsharded run, as bytes on rank zero (empty elsewhere).
+  template <class G>
+  at::Tensor optimizer_state(G& g, torch::optim::Optimizer& optimizer) {
+    const auto full = full_params_.find(&optimizer);
+    if (!shards_ || full == full_params_.end()) {
+      return g.is_global_zero() ? checkpoint::optimizer_state(optimizer) : at::Tensor();
+    }
+    return with_state_codec(optimizer, [&](auto codec) {
+      return gathered_state<decltype(codec)>(g, optimizer, full->second);
+    });
+  }
+  /// Loads an optimizer archive in any run's layout (unsharded, or gathered by this strategy on any world size) and
+  /// keeps this rank's pieces of it. On any failure the optimizer keeps its previous state.
+  template <class G>
+  void load_optimizer_state(G& /*strategy*/, torch::optim::Optimizer& optimizer, const at::Tensor& bytes,
+                            const std::string& path) {
+    const auto full = full_params_.find(&optimizer);
+    if (!shards_ || full == full_params_.end()) return checkpoint::load_optimizer_state(optimizer, bytes, path);
+    with_state_codec(optimizer, [&](auto codec) { load_cut<decltype(codec)>(optimizer, full->second, bytes, path); });
+  }
+
+  /// After a run: the gradient hooks stay until the next fit's layout, with the pieces the optimizer holds (a save
+  /// after the fit gathers them); the bucket layout stays readable.
+  void teardown() {}
+  /// Bytes of gradients this rank holds between steps: the module's `.grad`, the buckets' buffers and the blocks.
+  std::size_t gradient_bytes() const { return reducer_ ? reducer_->gradient_bytes() : 0; }
+  std::vector<std::vector<std::size_t>> bucket_layout() const {
+    return reducer_ ? reducer_->bucket_layout() : std::vector<std::vector<std::size_t>>();
+  }
+
+ private:
+  using States = std::vector<std::unique_ptr<torch::optim::OptimizerParamState>>;
+  using Lists = std::vector<std::vector<at::Tensor>>;
+
+  void drop_layout() {
+    reducer_.reset();
+    shards_.reset();
+    full_params_.clear();
+  }
+  /// `params` with each laid-out module parameter replaced by this rank's piece of it (none: left out); a tensor that
+  /// is not laid out (frozen at the fit's start, or not the module's) stays as it is, stepped whole on every rank.
+  std::vector<at::Tensor> pieces_for(const std::vector<at::Tensor>& params) const {
+    std::unordered_map<const void*, std::size_t> index;
+    for (std::size_t i = 0; i < params_.size(); ++i) index.emplace(params_[i].unsafeGetTensorImpl(), i);
+    std::vector<at::Tensor> out;
+    for (const at::Tensor& p : params) {
+      const auto it = index.find(p.unsafeGetTensorImpl());
+      if (it == index.end() || !shards_->location(it->second).laid_out) {
+        out.push_back(p);
+      } else if (const ShardPiece* piece = shards_->piece_of(it->second)) {
+        out.push_back(piece->tensor);
+      }
+    }
+    return out;
+  }
+  /// All-gathers every bucket's weights, at most `kBucketsInFlight` at a time (as the reduce-scatters: a
+  /// non-blocking MPI collective holds buffers of its own until it is waited for).
+  template <class G>
+  void gather_parameters(G& g) {
+    std::deque<typename B::Work> works;
+    int bucket = 0;
+    for (const at::Tensor& flat : shards_->flats()) {
+      if (works.size() == kBucketsInFlight) {
+        works.front().wait();
+        works.pop_front();
+      }
+      const BucketTag tag(bucket++);
+      works.push_back(g.backend().iall_gather_(flat));
+    }
+    for (auto& w : works) w.wait();
+  }
+  /// Sets every group's parameters of `optimizer` to `lists`, returning the lists it had.
+  static Lists swap_params(torch::optim::Optimizer& optimizer, Lists lists) {
+    if (lists.size() != optimizer.param_groups().size()) {
+      throw std::logic_error("volt: ZeRO's optimizer has " + std::to_string(optimizer.param_groups().size()) +
+                             " parameter groups, " + std::to_string(lists.size()) + " when the fit started; add "
+                             "groups in configure_optimizers, before the fit.");
+    }
+    Lists old;
+    for (std::size_t i = 0; i < optimizer.param_groups().size(); ++i) {
+      old.push_back(std::move(optimizer.param_groups()[i].params()));
+      optimizer.param_groups()[i].params() = std::move(lists[i]);
+    }
+    return old;
+  }
+  /// Takes the pieces' states out of `optimizer` (to be put back with `put_back`).
+  States take_piece_states(torch::optim::Optimizer& optimizer) {
+    States out;
+    for (const ShardPiece& piece : shards_->pieces()) out.push_back(take_state(optimizer, piece.tensor));
+    return out;
+  }
+  void put_back(torch::optim::Optimizer& optimizer, States states) {
+    for (std::size_t i = 0; i < states.size(); ++i) {
+      if (states[i]) put_state(optimizer, shards_->pieces()[i].tensor, std::move(states[i]));
+    }
+  }
+  /// Drops the states `optimizer` files under the laid-out module parameters themselves.
+  void drop_full_states(torch::optim::Optimizer& optimizer) {
+    for (std::size_t j = 0; j < params_.size(); ++j) {
+      if (shards_->location(j).laid_out) take_state(optimizer, params_[j]);
+    }
+  }
+  template <class Codec, class G>
+  Lists gather_fields(G& g, torch::optim::Optimizer& optimizer, at::Tensor& steps);
+  template <class Codec, class G>
+  at::Tensor gathered_state(G& g, torch::optim::Optimizer& optimizer, const Lists& full);
+  template <class Codec>
+  void load_cut(torch::optim::Optimizer& optimizer, const Lists& full, const at::Tensor& bytes, const std::string& path);
+  template <class Codec>
+  States cut_states(torch::optim::Optimizer& optimizer, const std::string& path);
+
+  /// The total norm of every rank's pieces: each rank's squares summed in float32 across ranks (clip_gradients).
+  template <class G>
+  struct NormOverRanks {
+    static constexpr bool coefficient_in_grad_dtype = true;
+    G* g;
+    at::Tensor operator()(const std::vector<at::Tensor>& norms) const {
+      at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(g->root_device()));
+      for (const auto& n : norms) squares += n.to(torch::kFloat32).square().to(squares.device());
+      g->backend().all_reduce_(squares, Reduce::sum);
+      return squares.sqrt();
+    }
+  };
+
+  std::vector<at::Tensor> params_;  // the module's, at the fit's start
+  std::unique_ptr<Reducer<B>> reducer_;
+  std::unique_ptr<ShardLayout> shards_;
+  std::unordered_map<const torch::optim::Optimizer*, Lists> full_params_;
+  bool synced_ = false;
+};
+
+/// Every rank's pieces of each state tensor, gathered one bucket at a time into flat buffers laid out as the
+/// parameters', kept on rank zero only ([field][bucket]; no buckets for a field no rank has; elsewhere none at all,
+/// so a rank other than zero holds one bucket of one field at a time); `steps` becomes each parameter's step count,
+/// -1 where no rank holds state for it.
+template <int Stage, class B>
+template <class Codec, class G>
+auto ShardedHolder<Stage, B>::gather_fields(G& g, torch::optim::Optimizer& optimizer, at::Tensor& steps) -> Lists {
+  using State = typename Codec::State;
+  const auto& pieces = shards_->pieces();
+  steps = torch::full({static_cast<int64_t>(params_.size())}, -1, torch::kLong);
+  at::Tensor defined = torch::zeros({static_cast<int64_t>(Codec::fields)}, torch::kLong);
+  for (const ShardPiece& piece : pieces) {
+    if (const auto* s = find_state(optimizer, piece.tensor)) {
+      steps[static_cast<int64_t>(piece.param)] = Codec::step(static_cast<const State&>(*s));
+      const auto t = Codec::tensors(static_cast<const State&>(*s));
+      for (std::size_t f = 0; f < t.size(); ++f) {
+        if (t[f].defined()) defined[static_cast<int64_t>(f)] = 1;
+      }
+    }
+  }
+  steps = g.all_reduce(steps, Reduce::max).cpu();
+  defined = g.all_reduce(defined, Reduce::max).cpu();
+  Lists fields(Codec::fields);
+  torch::NoGradGuard no_grad;
+  for (std::size_t f = 0; f < Codec::fields; ++f) {
+    if (defined[static_cast<int64_t>(f)].template item<int64_t>() == 0) continue;
+    for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
+      at::Tensor buffer = torch::zeros_like(shards_->flats()[i]);
+      for (const ShardPiece& piece : pieces) {
+        const auto* s = piece.bucket == i ? find_state(optimizer, piece.tensor) : nullptr;
+        if (s == nullptr) continue;
+        const at::Tensor t = Codec::tensors(static_cast<const State&>(*s))[f];
+        if (t.defined()) buffer.narrow(0, piece.bucket_offset, piece.numel).copy_(t.reshape(-1));
+      }
+      g.backend().all_gather_(buffer);
+      if (g.is_global_zero()) fields[f].push_back(std::move(buffer));
+    }
+  }
+  return fields;
+}
+
+/// On rank zero, for the time of one save: the pieces' states aside, each laid-out parameter's whole state filed
+/// under it, the groups holding the module's parameters; LibTorch's archive of that; then everything put back.
+template <int Stage, class B>
+template <class Codec, class G>
+at::Tensor ShardedHolder<Stage, B>::gathered_state(G& g, torch::optim::Optimizer& optimizer, const Lists& full) {
+  at::Tensor steps;
+  const auto fields = gather_fields<Codec>(g, optimizer, steps);
+  if (!g.is_global_zero()) return at::Tensor();
+  auto kept = take_piece_states(optimizer);
+  auto pieces = swap_params(optimizer, full);
+  struct Restore {
+    ShardedHolder* h;
+    torch::optim::Optimizer& o;
+    Lists& pieces;
+    States& kept;
+    ~Restore() {
+      h->drop_full_states(o);
+      swap_params(o, std::move(pieces));
+      h->put_back(o, std::move(kept));
+    }
+  } restore{this, optimizer, pieces, kept};
+  for (std::size_t j = 0; j < params_.size(); ++j) {
+    const auto& where = shards_->location(j);
+    const int64_t step = steps[static_cast<int64_t>(j)].template item<int64_t>();
+    if (!where.laid_out || step < 0) continue;
+    const at::Tensor& p = params_[j];
+    std::vector<at::Tensor> t(Codec::fields);
+    for (std::size_t f = 0; f < Codec::fields; ++f) {
+      if (!fields[f].empty()) t[f] = fields[f][where.bucket].narrow(0, where.offset, p.numel()).view(p.sizes());
+    }
+    put_state(optimizer, p, Codec::make(t, step));
+  }
+  return checkpoint::optimizer_state(optimizer);
+}
+
+/// The archive loaded into the optimizer in the unsharded layout (its own checks refuse a state that does not fit),
+/// then each piece's part of its parameter's state kept. On any failure the optimizer is as it was (its own archive,
+/// taken first, loaded back).
+template <int Stage, class B>
+template <class Codec>
+void ShardedHolder<Stage, B>::load_cut(torch::optim::Optimizer& optimizer, const Lists& full, const at::Tensor& bytes,
+                                       const std::string& path) {
+  const at::Tensor backup = checkpoint::optimizer_state(optimizer);  // the pieces' layout
+  auto kept = take_piece_states(optimizer);
+  auto pieces = swap_params(optimizer, full);
+  try {
+    checkpoint::load_optimizer_state(optimizer, bytes, path);
+    auto cut = cut_states<Codec>(optimizer, path);
+    drop_full_states(optimizer);
+    swap_params(optimizer, std::move(pieces));
+    put_back(optimizer, std::move(cut));
+  } catch (...) {
+    drop_full_states(optimizer);
+    if (!pieces.empty()) swap_params(optimizer, std::move(pieces));
+    checkpoint::load_optimizer_state(optimizer, backup, path);
+    throw;
+  }
+}
+
+/// Each piece's part of the whole state the optimizer holds for its parameter (none where it holds none); a state
+/// tensor of another size than its parameter is refused.
+template <int Stage, class B>
+template <class Codec>
+auto ShardedHolder<Stage, B>::cut_states(torch::optim::Optimizer& optimizer, const std::string& path) -> States {
+  using State = typename Codec::State;
+  torch::NoGradGuard no_grad;
+  States cut;
+  for (const ShardPiece& piece : shards_->pieces()) {
+    const at::Tensor& p = params_[piece.param];
+    const auto* s = find_state(optimizer, p);
+    if (s == nullptr) {
+      cut.emplace_back();
+      continue;
+    }
+    auto t = Codec::tensors(static_cast<const State&>(*s));
+    for (auto& x : t) {
+      if (!x.defined()) continue;
+      if (x.numel() != p.numel()) {
+        throw CheckpointError("volt: the optimizer state in " + path + " holds a tensor of " +
+                              std::to_string(x.numel()) + " elements for parameter " + std::to_string(piece.param) +
+                              ", which has " + std::to_string(p.numel()) + "; nothing was loaded.");
+      }
+      x = x.reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
+    }
+    cut.push_back(Codec::make(t, Codec::step(static_cast<const State&>(*s))));
+  }
+  return cut;
+}
+
+}  // namespace detail
+
+/// The optimizer state sharded across ranks (stage 1), and the gradients too (stage 2): ZeRO.
+template <int Stage>
+struct Sharded {
+  static_assert(Stage == 1 || Stage == 2, "volt: ZeRO<Stage, ...> takes stage 1 (the optimizer state sharded) or 2 "
+                                          "(the gradients too); stage 3 (the parameters too) is not there yet.");
+  static constexpr int stage = Stage;
+  static constexpr const char* name = Stage == 1 ? "ZeRO<1>" : "ZeRO<2>";
+  template <class Backend>
+  using Holder = detail::ShardedHolder<Stage, Backend>;
+};
+
+}  // namespace volt

@@ -10,6 +10,9 @@
 //   distributed zero <script|spawn> STAGE WORLD adam|sgd|fused-adam   ZeRO weights == a one-process loop (accumulation 3,
 //                                                     clipping); the optimizer state split across the ranks
 //   distributed collectives                           Mpi's reduce-scatter and all-gather (mpirun, any world size)
+//   distributed mesh                                  volt::Mesh on 4 ranks: collectives, sends and receives on each axis
+//   distributed mesh-fault die|stall                  on a 2x2 mesh rank 3 dies or stalls during rank 2's receive:
+//                                                     every rank ends with RankFailure naming it
 //   distributed predict <script|spawn> WORLD          predict (gathered, and written by PredictionWriter) and validate
 //                                                     on 1001 samples == a hand-written loop
 //   distributed fail <script|spawn> RANK STEP [throw|die|stall]   rank RANK throws, is SIGKILLed or stalls (120 s,
@@ -20,8 +23,9 @@
 //                                                     under DDP and ZeRO<2> as an uninterrupted run
 //   distributed manual-refusals                        ManualParallel on 2 ranks: a checkpoint refused
 //   distributed manual-weigh-loss                      ManualParallel on 2 ranks, weigh_loss: refused
-//   distributed expect-failure TIMEOUT MESSAGE -- CMD...  runs CMD, passes if it exits non-zero within TIMEOUT s
-//                                                     with MESSAGE in its output and leaves no process behind
+//   distributed expect-failure TIMEOUT MESSAGE... [--any-status] -- CMD...  runs CMD, passes if it exits non-zero
+//                                                     (any status: --any-status) within TIMEOUT s with every MESSAGE
+//                                                     in its output and leaves no process behind
 //   distributed gpu-zero <script|spawn>               the same with ZeRO<2, L, Nccl>
 //   distributed gpu-ddp <script|spawn>                DDP<L, Nccl> with Bf16Mixed on one GPU (world size 1: NCCL
 //                                                     refuses two ranks on one device) == SingleDevice; exits 77
@@ -752,6 +756,161 @@ int collectives_scenario() {
   return failures == 0 ? 0 : 1;
 }
 
+/// The world rank at `coord` of a row-major mesh of `sizes` (the layout volt::Mesh documents), written out here as
+/// the reference the mesh's members are checked against.
+int mesh_rank(const std::vector<int>& sizes, const std::vector<int>& coord) {
+  int r = 0;
+  for (std::size_t k = 0; k < sizes.size(); ++k) r = r * sizes[k] + coord[k];
+  return r;
+}
+
+/// The members of axis `k` through world rank `rank` of a row-major mesh of `sizes`, by their coordinate.
+std::vector<int> mesh_line(const std::vector<int>& sizes, int rank, std::size_t k) {
+  std::vector<int> coord(sizes.size());
+  for (std::size_t j = sizes.size(), rest = static_cast<std::size_t>(rank); j-- > 0;) {
+    coord[j] = static_cast<int>(rest % static_cast<std::size_t>(sizes[j]));
+    rest /= static_cast<std::size_t>(sizes[j]);
+  }
+  std::vector<int> line;
+  for (int i = 0; i < sizes[k]; ++i) {
+    coord[k] = i;
+    line.push_back(mesh_rank(sizes, coord));
+  }
+  return line;
+}
+
+/// volt::Mesh on 4 ranks (mpirun -np 4): a 2x2 mesh, and a 2x1x2 one with an axis of one. Along each axis: the
+/// members are the row-major line through this rank; all-reduce (sum, mean), reduce-scatter, all-gather and broadcast
+/// give the sums, means and values of the line's members (each rank contributes its world rank + 1); sends and
+/// receives go both ways along the axis (one batch with each rank sending to and receiving from the other, bfloat16
+/// into a transposed view; then a reply whose value depends on what arrived); the flight recorder names the axis and
+/// the peer. A mesh that does not fit the job and an unknown axis are refused with the sizes and the axes.
+int mesh_scenario() {
+  volt::detail::MpiRuntime::instance().ensure_initialized();
+  auto* group = new volt::detail::MpiGroup(MPI_COMM_WORLD);  // lives to the end of the process, as a launcher's does
+  const int world = group->size(), me = group->rank();
+  check(world == 4, "the mesh scenario runs on 4 ranks, got " + std::to_string(world));
+  const std::vector<std::pair<std::vector<volt::Mesh::Dim>, std::vector<int>>> meshes{
+      {{{"data", 2}, {"tensor", 2}}, {2, 2}}, {{{"pipe", -1}, {"data", 1}, {"tensor", 2}}, {2, 1, 2}}};
+  for (const auto& [dims, sizes] : meshes) {
+    volt::Mesh mesh(group, dims);
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const volt::MeshAxis& axis = mesh.axis(dims[k].name);
+      const std::vector<int> line = mesh_line(sizes, me, k);
+      const std::string where = mesh.shape() + ", axis " + axis.name() + ", rank " + std::to_string(me);
+      check(axis.members() == line && axis.size() == sizes[k] && line[static_cast<std::size_t>(axis.rank())] == me,
+            where + ": the members are the row-major line through this rank");
+      double sum = 0;
+      for (int m : line) sum += m + 1;
+      volt::Mpi mpi(axis);
+      torch::Tensor t = torch::full({3}, me + 1.0);
+      mpi.all_reduce_(t, volt::Reduce::sum);
+      check(t.eq(sum).all().item<bool>(), where + ": all-reduce sums the line");
+      t.fill_(me + 1.0);
+      mpi.all_reduce_(t, volt::Reduce::mean);
+      check(t.eq(sum / axis.size()).all().item<bool>(), where + ": the mean divides by the axis size");
+      torch::Tensor flat = torch::full({2 * axis.size()}, me + 1.0);
+      mpi.reduce_scatter_(flat, volt::Reduce::sum);
+      check(volt::detail::block_of(flat, axis.rank(), axis.size()).eq(sum).all().item<bool>(), where + ": reduce-scatter");
+      volt::detail::block_of(flat, axis.rank(), axis.size()).fill_(me);
+      mpi.all_gather_(flat);
+      for (int i = 0; i < axis.size(); ++i) {
+        check(volt::detail::block_of(flat, i, axis.size()).eq(line[static_cast<std::size_t>(i)]).all().item<bool>(),
+              where + ": all-gather block " + std::to_string(i));
+      }
+      torch::Tensor b = torch::full({2}, static_cast<double>(me));
+      mpi.broadcast_(b, axis.size() - 1);
+      check(b.eq(line.back()).all().item<bool>(), where + ": broadcast from the last member");
+      const torch::Tensor stacked = mpi.all_gather(torch::tensor({static_cast<double>(me)}));
+      for (int i = 0; i < axis.size(); ++i) {
+        check(stacked[i][0].item<double>() == line[static_cast<std::size_t>(i)], where + ": stacked all_gather");
+      }
+      if (axis.size() < 2) continue;
+      // Both ways at once: each sends its rank in bfloat16 to the next on the line and receives from the previous,
+      // into a transposed (non-contiguous) view; then the first replies to the last with what it received, doubled.
+      const int next = (axis.rank() + 1) % axis.size(), prev = (axis.rank() + axis.size() - 1) % axis.size();
+      const torch::Tensor out = (torch::arange(6, torch::kFloat32).reshape({2, 3}) + 10 * me).to(torch::kBFloat16);
+      torch::Tensor in_storage = torch::zeros({3, 2}, torch::kBFloat16), in = in_storage.t();
+      mpi.ibatch_({{volt::P2P::send, out, next}, {volt::P2P::recv, in, prev}}).wait();
+      const int from = line[static_cast<std::size_t>(prev)];
+      check(torch::equal(in, (torch::arange(6, torch::kFloat32).reshape({2, 3}) + 10 * from).to(torch::kBFloat16)),
+            where + ": received rank " + std::to_string(from) + "'s tensor into a transposed view");
+      torch::Tensor reply = torch::zeros({1}, torch::kFloat64);
+      if (axis.rank() == 0) {
+        mpi.isend_(torch::tensor({2.0 * in[0][0].item<double>()}, torch::kFloat64), axis.size() - 1).wait();
+      } else if (axis.rank() == axis.size() - 1) {
+        mpi.irecv_(reply, 0).wait();
+        check(reply.item<double>() == 2.0 * 10 * me, where + ": the first member's reply (what it received from the "
+                                                              "last, doubled) reaches the last");
+      }
+      const std::string recent = group->recorder().recent(8);
+      check(recent.find(std::string("on axis ") + axis.name()) != std::string::npos &&
+                recent.find("send #") != std::string::npos && recent.find("to rank " + std::to_string(line[next])) != std::string::npos,
+            where + ": the flight recorder names the axis and the peer: " + recent);
+    }
+  }
+  for (const auto& [dims, what] : std::vector<std::pair<std::vector<volt::Mesh::Dim>, std::string>>{
+           {{{"data", 3}, {"tensor", 2}}, "does not fit a job of 4 ranks"},
+           {{{"data", -1}, {"tensor", -1}}, "one of them -1 at most"},
+           {{{"data", 2}, {"data", 2}}, "distinct names"}}) {
+    try {
+      volt::Mesh bad(group, dims);
+      check(false, "a mesh of " + bad.shape() + " is refused on 4 ranks");
+    } catch (const std::invalid_argument& e) {
+      check(std::string(e.what()).find(what) != std::string::npos, std::string("the refusal: ") + e.what());
+    }
+  }
+  volt::Mesh mesh(group, {{"data", 2}, {"tensor", 2}});
+  try {
+    (void)mesh.axis("pipe");
+    check(false, "an unknown axis is refused");
+  } catch (const std::invalid_argument& e) {
+    check(std::string(e.what()).find("its axes: data=2 x tensor=2") != std::string::npos, std::string("the refusal: ") + e.what());
+  }
+  if (me == 0 && failures == 0) std::cout << "mesh: every axis of 2x2 and 2x1x2 meshes reduces, gathers and sends" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
+/// On a 2x2 mesh (4 ranks), rank 2 waits to receive from rank 3, its neighbour on the tensor axis, and rank 3 fails
+/// as `how` says: "die" (SIGKILL to itself, 0.5 s after a barrier) or "stall"
+/// (sleeps, alive: rank 2 times out; run it with --timeout). Ranks 0 and 1 wait on the data axis (die) or sleep
+/// (stall). Every rank that ends with RankFailure says so, with the rank it names. Under mpirun, "die" needs
+/// `--enable-recovery`, which leaves the survivors to end by themselves (mpirun would kill them at once).
+int mesh_fault_scenario(const std::string& how) {
+  volt::detail::MpiRuntime::instance().ensure_initialized();
+  auto* group = new volt::detail::MpiGroup(MPI_COMM_WORLD);
+  group->set_timeout(g_timeout);
+  const int me = group->rank();
+  volt::Mesh mesh(group, {{"data", 2}, {"tensor", 2}});
+  volt::Mpi tensor(mesh.axis("tensor")), data(mesh.axis("data"));
+  try {
+    volt::Mpi(group).barrier();
+    if (me == 3) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      std::cerr << "mesh-fault: rank 3 (pid " << ::getpid() << ") " << (how == "die" ? "dies" : "stalls") << std::endl;
+      if (how == "die") ::kill(::getpid(), SIGKILL);
+      std::this_thread::sleep_for(std::chrono::seconds(120));
+      return 3;
+    }
+    if (me == 2) {
+      torch::Tensor t = torch::zeros({4});
+      tensor.irecv_(t, 1).wait();
+    } else if (how == "die") {
+      torch::Tensor t = torch::ones({4});
+      data.all_reduce_(t, volt::Reduce::sum);  // with rank 2 (receiving) or rank 3 (dead): it never completes
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+    }
+    std::cerr << "mesh-fault: rank " << me << " was not stopped" << std::endl;
+  } catch (const volt::RankFailure& e) {
+    // One write per line: the ranks' lines reach mpirun's output whole.
+    const std::string line = "mesh-fault: rank " + std::to_string(me) + " ended with RankFailure naming rank " +
+                             std::to_string(e.failed_rank()) + ": " + e.what() + "\n";
+    (void)!::write(2, line.data(), line.size());
+  }
+  return 1;
+}
+
 /// sync_dist values, EarlyStopping agreement and the Context collectives, under mpirun.
 struct MetricNetImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
@@ -1066,8 +1225,9 @@ int fail_scenario(int rank, int step, const std::string& how) {
 }
 
 /// Runs `argv` with its output captured; passes when it exits non-zero within `timeout` seconds, its output
-/// contains `message`, and no process carrying `token` in its command line remains afterwards.
-int expect_failure(double timeout, const std::string& message, std::vector<std::string> args, const std::string& token) {
+/// contains every one of `messages`, and no process carrying `token` in its command line remains afterwards.
+int expect_failure(double timeout, const std::vector<std::string>& messages, std::vector<std::string> args,
+                   const std::string& token, bool any_status) {
   const std::string out_path = std::filesystem::temp_directory_path() / ("volt_expect_" + std::to_string(::getpid()) + ".log");
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
@@ -1101,8 +1261,10 @@ int expect_failure(double timeout, const std::string& message, std::vector<std::
   std::filesystem::remove(out_path);
   std::cout << "---- output of the failing job ----\n" << output << "---- (" << took << " s) ----" << std::endl;
   check(!timed_out, "the job ended within " + std::to_string(timeout) + " s");
-  check(WIFEXITED(status) ? WEXITSTATUS(status) != 0 : true, "the job exited non-zero");
-  check(output.find(message) != std::string::npos, "the output carries the failing rank's message \"" + message + "\"");
+  check(any_status || (WIFEXITED(status) ? WEXITSTATUS(status) != 0 : true), "the job exited non-zero");
+  for (const std::string& message : messages) {
+    check(output.find(message) != std::string::npos, "the output carries the message \"" + message + "\"");
+  }
   // No process of the job may remain (give the runtime a moment to reap).
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   int left = 0;
@@ -1287,6 +1449,10 @@ const Mode kModes[] = {
      [](const std::vector<std::string>&) { return manual_refusals_scenario(); }},
     {"manual-weigh-loss", ": ManualParallel on 2 ranks with a token-weighted loss (refused)",
      [](const std::vector<std::string>&) { return manual_weigh_loss_scenario(); }},
+    {"mesh", ": a 2x2 and a 2x1x2 mesh on 4 ranks, collectives and sends along each axis",
+     [](const std::vector<std::string>&) { return mesh_scenario(); }},
+    {"mesh-fault", "die|stall: on a 2x2 mesh, rank 3 dies or stalls while rank 2 waits to receive from it",
+     [](const std::vector<std::string>& a) { return mesh_fault_scenario(a.at(1)); }},
     {"metrics", ": sync_dist means and sums across ranks", [](const std::vector<std::string>&) { return metrics_scenario(); }},
     {"profiler", ": the Profiler callback on 2 ranks: a trace per rank with the fit loop's ranges",
      [](const std::vector<std::string>&) { return profiler_scenario(); }},
@@ -1312,14 +1478,20 @@ const Mode kModes[] = {
        const std::string how = a.size() > 4 && a[4].rfind("volt_fail_token", 0) != 0 ? a[4] : "throw";
        return spawn_given(a) ? fail_scenario<volt::Spawn>(rank, step, how) : fail_scenario<volt::Script>(rank, step, how);
      }},
-    {"expect-failure", "timeout message -- command...: the command ends within timeout, with message, leaving no process",
+    {"expect-failure", "timeout message... -- command...: the command ends within timeout, with every message, leaving no process",
      [](const std::vector<std::string>& a) {
        const double timeout = std::stod(a.at(1));
-       const std::string message = a.at(2);
-       std::vector<std::string> cmd(a.begin() + 4, a.end());
+       const auto dashes = std::find(a.begin(), a.end(), std::string("--"));
+       std::vector<std::string> messages(a.begin() + 2, dashes);
+       // --any-status: mpirun --enable-recovery exits 0 whatever its ranks return; the messages are the check
+       const auto any = std::find(messages.begin(), messages.end(), std::string("--any-status"));
+       const bool any_status = any != messages.end();
+       if (any_status) messages.erase(any);
+       if (messages.empty() || dashes == a.end()) throw std::invalid_argument("expect-failure: no message, or no --");
+       std::vector<std::string> cmd(dashes + 1, a.end());
        const std::string token = "volt_fail_token_" + std::to_string(::getpid());
        cmd.push_back(token);  // ignored by the scenario, found in /proc afterwards
-       return expect_failure(timeout, message, cmd, token);
+       return expect_failure(timeout, messages, cmd, token, any_status);
      }},
 };
 

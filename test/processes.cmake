@@ -66,6 +66,14 @@ volt_distributed_test(dist.legacy_checkpoint.mpirun ${volt_mpirun} ${dist} legac
                       ${CMAKE_CURRENT_SOURCE_DIR}/data/legacy)
 volt_distributed_test(dist.metrics.mixed_options ${dist} expect-failure 30 "was logged with other options" -- ${volt_mpirun} ${dist} metrics-mixed)
 volt_distributed_test(dist.collectives.mpirun3 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} collectives)
+# A process mesh on 4 ranks: collectives and sends along each axis; a peer killed (or stalled) during a receive ends
+# every rank with RankFailure naming it (mpirun's --enable-recovery leaves the survivors to end by themselves).
+volt_distributed_test(dist.mesh.mpirun4 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 4 ${dist} mesh)
+volt_distributed_test(dist.mesh.peer_killed ${dist} expect-failure 40 "rank 0 ended with RankFailure naming rank 3"
+  "rank 1 ended with RankFailure naming rank 3" "rank 2 ended with RankFailure naming rank 3" "killed or crashed"
+  --any-status -- ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe --enable-recovery -np 4 ${dist} mesh-fault die)
+volt_distributed_test(dist.mesh.peer_stalled ${dist} expect-failure 40 "for receive #" "from rank 3 on axis tensor"
+  "Its peer: rank 3 on" -- ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 4 ${dist} mesh-fault stall --timeout 3)
 # ZeRO against a one-process loop: each stage, optimizer, world size (2, 4) and launch (mpirun, self-relaunch) once.
 set(mpirun4 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 4)
 volt_distributed_test(dist.zero.mpirun2_stage1_sgd ${volt_mpirun} ${dist} zero script 1 2 sgd)

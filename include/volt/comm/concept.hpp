@@ -11,6 +11,11 @@
 /// | `ireduce_scatter_(flat, Reduce) -> Work` | starts a reduce-scatter of a flat tensor of world-size equal blocks, in place: this rank's block (`detail::block_of`) ends up holding the reduction of every rank's block |
 /// | `iall_gather_(flat) -> Work` | starts an all-gather of a flat tensor in place: each rank gives its own block and ends up with every rank's |
 /// | `all_reduce_(t, Reduce)`, `reduce_scatter_(flat, Reduce)`, `all_gather_(flat)`, `broadcast_(t, root)`, `all_gather(t) -> [world, ...]`, `barrier()` | blocking collectives |
+/// | `isend_(t, peer)`, `irecv_(t, peer) -> Work` | a point-to-point send or receive of `t`'s bytes (peer: a rank of the axis) |
+/// | `ibatch_(std::vector<P2P>) -> Work` | sends and receives started together (NCCL: one group, so two ranks may send to each other) |
+///
+/// Every backend runs on the whole group or on one axis of a mesh (`Mpi(axis)`, `Nccl(axis, device)`: mesh.hpp);
+/// its ranks are then the coordinates along the axis.
 ///
 /// Backends: `Mpi` (Open MPI; CPU tensors, CUDA ones staged through the host) and `Nccl` (CUDA tensors;
 /// needs the `volt::nccl` CMake target, which defines VOLT_WITH_NCCL). `AutoBackend` lets the strategy pick:
@@ -27,6 +32,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #ifndef VOLT_WITH_NCCL
 #define VOLT_WITH_NCCL 0
@@ -74,6 +80,15 @@ inline torch::Tensor block_of(const torch::Tensor& flat, int rank, int world) {
 }
 }  // namespace detail
 
+/// One send or receive of a batch (`Backend::ibatch_`), as torch.distributed's P2POp: `tensor` goes to, or comes
+/// from, rank `peer` of the backend's axis.
+struct P2P {
+  enum Kind : bool { send, recv };
+  Kind kind;
+  torch::Tensor tensor;
+  int peer;
+};
+
 class Mpi;
 class Nccl;  // defined in volt/comm/nccl.hpp when VOLT_WITH_NCCL
 
@@ -106,6 +121,9 @@ concept CollectiveBackend = requires(B& b, const torch::Tensor& t) {
   b.broadcast_(t, 0);
   { b.all_gather(t) } -> std::convertible_to<torch::Tensor>;
   b.barrier();
+  b.isend_(t, 0).wait();
+  b.irecv_(t, 0).wait();
+  b.ibatch_(std::vector<P2P>{}).wait();
 };
 
 }  // namespace volt

@@ -5,6 +5,7 @@
 /// float32 (MPI has no type for them). Every wait watches the group's failure channel (see runtime.hpp).
 
 #include "volt/comm/concept.hpp"
+#include "volt/comm/mesh.hpp"
 #include "volt/comm/runtime.hpp"
 #include "volt/reduce.hpp"
 
@@ -61,89 +62,133 @@ inline torch::Tensor mpi_buffer(const torch::Tensor& t) {
 
 }  // namespace detail
 
-/// Collectives over an MPI process group. A null group is a world of one (every collective is an identity).
+/// Collectives, sends and receives over an MPI process group, or over one axis of a mesh of it (mesh.hpp): ranks
+/// are then the members' coordinates along the axis. A null group is a world of one (every collective is an identity).
 class Mpi {
  public:
   static constexpr const char* name = "Mpi";
   static constexpr bool supports_cpu = true;
   static constexpr bool supports_cuda = true;  // staged through host memory
 
-  /// A collective in flight; `wait()` finishes it: the result, in `buffer`, is divided by the world size for a mean
-  /// and copied into `target` where the two differ (a staged or converted copy, or reduce-scatter's block).
-  /// `input` is kept alive for MPI to read until then.
+  /// Collectives, sends or receives in flight; `wait()` finishes them, in the order issued: each result, in its
+  /// buffer, is divided by the axis size for a mean and copied into its target where the two differ (a staged or
+  /// converted copy, reduce-scatter's block, a receive into a tensor MPI cannot write). Inputs are kept alive for MPI
+  /// to read until then.
   class Work {
    public:
     Work() = default;
-    /// Records the collective (`kind`, the bytes of `buffer`) in the group's flight recorder.
-    Work(detail::MpiGroup* group, detail::Collective kind, torch::Tensor target, torch::Tensor buffer, Reduce op,
-         torch::Tensor input = {})
-        : group_(group), target_(std::move(target)), buffer_(std::move(buffer)), input_(std::move(input)), op_(op),
-          seq_(group->record(kind, static_cast<int64_t>(buffer_.nbytes()))) {}
-    MPI_Request* request() { return &request_; }
+    Work(const MeshAxis& axis, Reduce op)
+        : group_(axis.group()), divisor_(axis.size()), op_(op),
+          members_(axis.size() == (group_ ? group_->size() : 1) ? std::vector<int>{} : axis.members()) {}
+    /// Adds one request (the operation `kind` on `buffer`, recorded in the group's flight recorder with `route`);
+    /// returns where MPI writes it.
+    MPI_Request* add(detail::Collective kind, torch::Tensor target, torch::Tensor buffer, detail::Route route,
+                     torch::Tensor input = {}) {
+      const int64_t bytes = static_cast<int64_t>(buffer.nbytes());
+      parts_.push_back({std::move(target), std::move(buffer), std::move(input), MPI_REQUEST_NULL,
+                        group_->record(kind, bytes, route)});
+      return &parts_.back().request;
+    }
     void wait() {
-      if (group_ == nullptr) return;
-      group_->wait(request_, seq_);
-      if (op_ == Reduce::mean) buffer_.div_(group_->size());
-      if (buffer_.unsafeGetTensorImpl() != target_.unsafeGetTensorImpl()) target_.copy_(buffer_.view_as(target_));
-      group_ = nullptr;
-      target_ = buffer_ = input_ = torch::Tensor();  // nothing of the buckets kept alive after the wait
+      for (Part& p : parts_) {
+        group_->wait(p.request, p.seq, members_);
+        if (op_ == Reduce::mean) p.buffer.div_(divisor_);
+        if (p.target.defined() && p.buffer.unsafeGetTensorImpl() != p.target.unsafeGetTensorImpl()) {
+          p.target.copy_(p.buffer.view_as(p.target));
+        }
+      }
+      parts_.clear();  // nothing of the buckets kept alive after the wait
     }
 
    private:
+    struct Part {
+      torch::Tensor target, buffer, input;
+      MPI_Request request;
+      uint64_t seq;
+    };
     detail::MpiGroup* group_ = nullptr;
-    torch::Tensor target_, buffer_, input_;
+    int divisor_ = 1;
     Reduce op_ = Reduce::sum;
-    uint64_t seq_ = 0;
-    MPI_Request request_ = MPI_REQUEST_NULL;
+    std::vector<int> members_;  // the axis's world ranks (empty: the whole group)
+    std::vector<Part> parts_;   // a std::vector reallocates: add() hands out a pointer used before the next add()
   };
 
-  explicit Mpi(detail::MpiGroup* group = nullptr, torch::Device device = torch::kCPU) : group_(group) { (void)device; }
+  explicit Mpi(detail::MpiGroup* group = nullptr, torch::Device device = torch::kCPU)
+      : Mpi(MeshAxis::world(group), device) {}
+  /// On the members of `axis` (which must outlive the backend's work).
+  explicit Mpi(const MeshAxis& axis, torch::Device device = torch::kCPU) : axis_(axis) { (void)device; }
 
-  int rank() const { return group_ ? group_->rank() : 0; }
-  int size() const { return group_ ? group_->size() : 1; }
+  int rank() const { return axis_.rank(); }
+  int size() const { return axis_.size(); }
+  const MeshAxis& axis() const { return axis_; }
 
   /// Starts an all-reduce of `t` in place.
   Work iall_reduce_(const torch::Tensor& t, Reduce op) {
     check_mean(t, op);
-    if (group_ == nullptr) return Work();
+    if (size() == 1) return Work();
     torch::Tensor buffer = detail::mpi_buffer(t);
-    Work work(group_, detail::Collective::all_reduce, t, buffer, op);
+    Work work(axis_, op);
+    MPI_Request* request = work.add(detail::Collective::all_reduce, t, buffer, axis_.route());
     detail::mpi_check(MPI_Iallreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(buffer.numel()),
-                                     detail::mpi_type(buffer.scalar_type()), detail::mpi_op(op), group_->comm(),
-                                     work.request()),
+                                     detail::mpi_type(buffer.scalar_type()), detail::mpi_op(op), axis_.comm(), request),
                       "MPI_Iallreduce");
     return work;
   }
   /// All-reduces `t` in place (sum, mean, max or min across ranks).
   void all_reduce_(const torch::Tensor& t, Reduce op) { iall_reduce_(t, op).wait(); }
 
+  /// Starts the sends and receives of `ops` together; `wait()` finishes them all. A receive's tensor must have the
+  /// shape and type of the matching send's; the bytes are copied as they are. Sends to one peer arrive in the order
+  /// issued (MPI's non-overtaking rule), as do receives from one peer.
+  Work ibatch_(const std::vector<P2P>& ops) {
+    for (const P2P& op : ops) check_peer(op);
+    if (size() == 1) return alone(ops);
+    Work work(axis_, Reduce::sum);
+    for (const P2P& op : ops) {
+      const bool contiguous_cpu = op.tensor.is_cpu() && op.tensor.is_contiguous();
+      const bool send = op.kind == P2P::send;
+      torch::Tensor buffer = contiguous_cpu ? op.tensor
+                             : send         ? op.tensor.to(torch::kCPU).contiguous()
+                                            : torch::empty(op.tensor.sizes(), op.tensor.options().device(torch::kCPU));
+      MPI_Request* request = work.add(send ? detail::Collective::send : detail::Collective::recv,
+                                      send ? torch::Tensor() : op.tensor, buffer, axis_.route(op.peer));
+      const int bytes = static_cast<int>(buffer.nbytes());
+      detail::mpi_check(send ? MPI_Isend(buffer.data_ptr(), bytes, MPI_BYTE, op.peer, kP2PTag, axis_.comm(), request)
+                             : MPI_Irecv(buffer.data_ptr(), bytes, MPI_BYTE, op.peer, kP2PTag, axis_.comm(), request),
+                        send ? "MPI_Isend" : "MPI_Irecv");
+    }
+    return work;
+  }
+  /// Starts sending `t` to rank `peer` (of the axis), or receiving it from there.
+  Work isend_(const torch::Tensor& t, int peer) { return ibatch_({{P2P::send, t, peer}}); }
+  Work irecv_(const torch::Tensor& t, int peer) { return ibatch_({{P2P::recv, t, peer}}); }
+
   /// Copies rank `root`'s `t` into every rank's `t`.
   void broadcast_(const torch::Tensor& t, int root = 0) {
-    if (group_ == nullptr) return;
+    if (size() == 1) return;
     torch::Tensor buffer = detail::mpi_buffer(t);
-    MPI_Request request;
-    const uint64_t seq = group_->record(detail::Collective::broadcast, static_cast<int64_t>(buffer.nbytes()));
+    Work work(axis_, Reduce::sum);
+    MPI_Request* request = work.add(detail::Collective::broadcast, t, buffer, axis_.route());
     detail::mpi_check(MPI_Ibcast(buffer.data_ptr(), static_cast<int>(buffer.numel()),
-                                 detail::mpi_type(buffer.scalar_type()), root, group_->comm(), &request),
+                                 detail::mpi_type(buffer.scalar_type()), root, axis_.comm(), request),
                       "MPI_Ibcast");
-    group_->wait(request, seq);
-    if (buffer.unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) t.copy_(buffer.view_as(t));
+    work.wait();
   }
 
-  /// Every rank's `t`, stacked: shape [world_size, t.sizes()...]. Every rank must give the same shape.
+  /// Every rank's `t`, stacked: shape [size(), t.sizes()...]. Every rank must give the same shape.
   torch::Tensor all_gather(const torch::Tensor& t) {
-    if (group_ == nullptr) return t.unsqueeze(0).clone();
+    if (size() == 1) return t.unsqueeze(0).clone();
     torch::Tensor buffer = detail::mpi_buffer(t);
     std::vector<int64_t> shape{static_cast<int64_t>(size())};
     for (int64_t s : t.sizes()) shape.push_back(s);
     torch::Tensor out = torch::empty(shape, buffer.options());
-    MPI_Request request;
+    Work work(axis_, Reduce::sum);
+    MPI_Request* request = work.add(detail::Collective::all_gather, {}, out, axis_.route(), buffer);
     const MPI_Datatype type = detail::mpi_type(buffer.scalar_type());
-    const uint64_t seq = group_->record(detail::Collective::all_gather, static_cast<int64_t>(buffer.nbytes()));
     detail::mpi_check(MPI_Iallgather(buffer.data_ptr(), static_cast<int>(buffer.numel()), type, out.data_ptr(),
-                                     static_cast<int>(buffer.numel()), type, group_->comm(), &request),
+                                     static_cast<int>(buffer.numel()), type, axis_.comm(), request),
                       "MPI_Iallgather");
-    group_->wait(request, seq);
+    work.wait();
     return out.to(t.options());
   }
 
@@ -153,13 +198,15 @@ class Mpi {
   Work ireduce_scatter_(const torch::Tensor& flat, Reduce op) {
     check_mean(flat, op);
     const int64_t n = detail::block_numel(flat, size(), "reduce-scatter", kMaxBlock);
-    if (group_ == nullptr) return Work();
+    if (size() == 1) return Work();
     torch::Tensor input = detail::mpi_buffer(flat);
     torch::Tensor block = torch::empty({n}, input.options());
-    Work work(group_, detail::Collective::reduce_scatter, detail::block_of(flat, rank(), size()), block, op, input);
+    Work work(axis_, op);
+    MPI_Request* request = work.add(detail::Collective::reduce_scatter, detail::block_of(flat, rank(), size()), block,
+                                    axis_.route(), input);
     detail::mpi_check(MPI_Ireduce_scatter_block(input.data_ptr(), block.data_ptr(), static_cast<int>(n),
                                                 detail::mpi_type(input.scalar_type()), detail::mpi_op(op),
-                                                group_->comm(), work.request()),
+                                                axis_.comm(), request),
                       "MPI_Ireduce_scatter_block");
     return work;
   }
@@ -170,23 +217,24 @@ class Mpi {
   /// bfloat16 too).
   Work iall_gather_(const torch::Tensor& flat) {
     const int64_t n = detail::block_numel(flat, size(), "all-gather", kMaxBlock);
-    if (group_ == nullptr) return Work();
+    if (size() == 1) return Work();
     torch::Tensor buffer = flat.is_cpu() && flat.is_contiguous() ? flat : flat.to(torch::kCPU).contiguous();
-    Work work(group_, detail::Collective::all_gather, flat, buffer, Reduce::sum);
+    Work work(axis_, Reduce::sum);
+    MPI_Request* request = work.add(detail::Collective::all_gather, flat, buffer, axis_.route());
     const int bytes = static_cast<int>(n * buffer.element_size());
     detail::mpi_check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data_ptr(), bytes, MPI_BYTE,
-                                     group_->comm(), work.request()),
+                                     axis_.comm(), request),
                       "MPI_Iallgather");
     return work;
   }
   void all_gather_(const torch::Tensor& flat) { iall_gather_(flat).wait(); }
 
   void barrier() {
-    if (group_ == nullptr) return;
-    MPI_Request request;
-    const uint64_t seq = group_->record(detail::Collective::barrier, 0);
-    detail::mpi_check(MPI_Ibarrier(group_->comm(), &request), "MPI_Ibarrier");
-    group_->wait(request, seq);
+    if (size() == 1) return;
+    Work work(axis_, Reduce::sum);
+    MPI_Request* request = work.add(detail::Collective::barrier, {}, torch::empty({0}), axis_.route());
+    detail::mpi_check(MPI_Ibarrier(axis_.comm(), request), "MPI_Ibarrier");
+    work.wait();
   }
 
  private:
@@ -199,7 +247,32 @@ class Mpi {
     }
   }
 
-  detail::MpiGroup* group_;
+  /// A send or receive's peer is a rank of the axis, and its bytes fit MPI's int count.
+  void check_peer(const P2P& op) const {
+    if (op.peer < 0 || op.peer >= size() || (size() == 1 && op.peer != rank())) {
+      throw std::invalid_argument(std::string("volt: a ") + (op.kind == P2P::send ? "send to" : "receive from") +
+                                  " rank " + std::to_string(op.peer) + " on axis " + axis_.name() + ", whose ranks are 0.." +
+                                  std::to_string(size() - 1) + ".");
+    }
+    if (op.tensor.nbytes() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+      throw std::invalid_argument("volt: a send or receive of " + std::to_string(op.tensor.nbytes()) +
+                                  " bytes is more than one MPI message holds (2 GiB); split the tensor.");
+    }
+  }
+  /// A world of one: each receive takes the next send's tensor (both to and from this rank).
+  static Work alone(const std::vector<P2P>& ops) {
+    std::size_t next = 0;
+    for (const P2P& op : ops) {
+      if (op.kind != P2P::recv) continue;
+      while (next < ops.size() && ops[next].kind != P2P::send) ++next;
+      if (next == ops.size()) throw std::invalid_argument("volt: a receive from this rank with no send to it in the batch.");
+      op.tensor.copy_(ops[next++].tensor);
+    }
+    return Work();
+  }
+  static constexpr int kP2PTag = 31020;
+
+  MeshAxis axis_;
 };
 
 static_assert(CollectiveBackend<Mpi>);

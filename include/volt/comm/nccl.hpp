@@ -8,6 +8,7 @@
 #include "volt/comm/concept.hpp"
 
 #if VOLT_WITH_NCCL
+#include "volt/comm/mesh.hpp"
 #include "volt/comm/runtime.hpp"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -130,25 +131,33 @@ class Nccl {
     void wait() {}
   };
 
-  Nccl(detail::MpiGroup* group, torch::Device device) : group_(group), device_(device) {
-    if (!device.is_cuda()) {
-      throw std::invalid_argument("volt: Nccl needs a CUDA device, got " + device.str() + "; use volt::Mpi on CPU.");
-    }
-    const int rank = group ? group->rank() : 0;
-    const int size = group ? group->size() : 1;
+  /// A communicator of all of `group`'s members (null: a world of one) on `device`.
+  Nccl(detail::MpiGroup* group, torch::Device device) : Nccl(MeshAxis::world(group), device) {}
+  /// A communicator of `axis`'s members (which must outlive it), made from a unique id that the axis's first member
+  /// sends the others over MPI.
+  Nccl(const MeshAxis& axis, torch::Device device) : axis_(axis), group_(axis.group()), device_(device) {
+    check_device(device);
     ncclUniqueId id;
-    if (rank == 0) detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-    if (group != nullptr) {
+    if (axis_.rank() == 0) detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    if (group_ != nullptr) {
       MPI_Request request;
-      detail::mpi_check(MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, group->comm(), &request), "MPI_Ibcast");
-      group->wait(request);
+      detail::mpi_check(MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, axis_.comm(), &request), "MPI_Ibcast");
+      group_->wait(request);
     }
     c10::cuda::CUDAGuard guard(device);
-    detail::nccl_check(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank");
-    if (group != nullptr) {
-      watch_ = std::make_shared<detail::NcclWatch>(comm_, *group);
-      group->add_watcher([watch = watch_] { return watch->poll(); });
+    detail::nccl_check(ncclCommInitRank(&comm_, axis_.size(), id, axis_.rank()), "ncclCommInitRank");
+    watch();
+  }
+  /// `axis`'s members' communicator split from `parent`'s (`ncclCommSplit`, the colour and key the mesh split its MPI
+  /// communicator with; `parent` must hold every member of the axis, as a mesh's world does).
+  Nccl(Nccl& parent, const MeshAxis& axis) : axis_(axis), group_(axis.group()), device_(parent.device_) {
+    if (axis.group() != parent.group_ || parent.size() < axis.size()) {
+      throw std::invalid_argument(std::string("volt: axis ") + axis.name() + " is not a split of this communicator's " +
+                                  "members; split the communicator of the mesh's world.");
     }
+    c10::cuda::CUDAGuard guard(device_);
+    detail::nccl_check(ncclCommSplit(parent.comm_, axis.color(), axis.rank(), &comm_, nullptr), "ncclCommSplit");
+    watch();
   }
   Nccl(const Nccl&) = delete;
   Nccl& operator=(const Nccl&) = delete;
@@ -162,8 +171,9 @@ class Nccl {
     }
   }
 
-  int rank() const { return group_ ? group_->rank() : 0; }
-  int size() const { return group_ ? group_->size() : 1; }
+  int rank() const { return axis_.rank(); }
+  int size() const { return axis_.size(); }
+  const MeshAxis& axis() const { return axis_; }
 
   Work iall_reduce_(const torch::Tensor& t, Reduce op) {
     with_contiguous(t, [&](const torch::Tensor& c) {
@@ -226,6 +236,44 @@ class Nccl {
   }
   void all_gather_(const torch::Tensor& flat) { iall_gather_(flat); }
 
+  /// Queues the sends and receives of `ops` as one NCCL group on the current stream of the first tensor's device (so two
+  /// ranks may send to each other in one batch); the bytes are copied as they are.
+  Work ibatch_(const std::vector<P2P>& ops) {
+    if (ops.empty()) return {};
+    for (const P2P& op : ops) {
+      check(op.tensor);
+      if (!op.tensor.is_contiguous() || op.peer < 0 || op.peer >= size()) {
+        throw std::invalid_argument(std::string("volt: Nccl sends and receives contiguous tensors to ranks 0..") +
+                                    std::to_string(size() - 1) + " of axis " + axis_.name() + "; got rank " +
+                                    std::to_string(op.peer) + (op.tensor.is_contiguous() ? "" : ", not contiguous") + ".");
+      }
+    }
+    const cudaStream_t s = stream(ops.front().tensor);
+    std::vector<uint64_t> seqs;
+    detail::nccl_check(ncclGroupStart(), "ncclGroupStart");
+    for (const P2P& op : ops) {
+      const bool send = op.kind == P2P::send;
+      if (group_ != nullptr) {
+        seqs.push_back(group_->record(send ? detail::Collective::send : detail::Collective::recv,
+                                      static_cast<int64_t>(op.tensor.nbytes()), axis_.route(op.peer)));
+      }
+      const auto count = static_cast<size_t>(op.tensor.nbytes());
+      const ncclResult_t r = send ? ncclSend(op.tensor.data_ptr(), count, ncclUint8, op.peer, comm_, s)
+                                  : ncclRecv(op.tensor.data_ptr(), count, ncclUint8, op.peer, comm_, s);
+      if (r != ncclSuccess) {
+        ncclGroupEnd();
+        detail::nccl_check(r, send ? "ncclSend" : "ncclRecv");
+      }
+    }
+    detail::nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+    if (watch_ != nullptr) {
+      for (uint64_t seq : seqs) watch_->queued(seq, s);
+    }
+    return {};
+  }
+  Work isend_(const torch::Tensor& t, int peer) { return ibatch_({{P2P::send, t, peer}}); }
+  Work irecv_(const torch::Tensor& t, int peer) { return ibatch_({{P2P::recv, t, peer}}); }
+
   void barrier() {
     torch::Tensor one = torch::ones({1}, torch::TensorOptions().device(device_));
     all_reduce_(one, Reduce::sum);
@@ -233,6 +281,17 @@ class Nccl {
   }
 
  private:
+  static void check_device(torch::Device device) {
+    if (!device.is_cuda()) {
+      throw std::invalid_argument("volt: Nccl needs a CUDA device, got " + device.str() + "; use volt::Mpi on CPU.");
+    }
+  }
+  /// Has the group's heartbeat watch this communicator's work.
+  void watch() {
+    if (group_ == nullptr) return;
+    watch_ = std::make_shared<detail::NcclWatch>(comm_, *group_);
+    group_->add_watcher([watch = watch_] { return watch->poll(); });
+  }
   void check(const torch::Tensor& t) const {
     if (!t.is_cuda()) {
       throw std::invalid_argument("volt: Nccl reduces CUDA tensors, got one on " + t.device().str() + ".");
@@ -243,7 +302,7 @@ class Nccl {
   /// and watched until it completes.
   template <class F>
   void issue(detail::Collective kind, const torch::Tensor& t, F&& call) {
-    const uint64_t seq = group_ != nullptr ? group_->record(kind, static_cast<int64_t>(t.nbytes())) : 0;
+    const uint64_t seq = group_ != nullptr ? group_->record(kind, static_cast<int64_t>(t.nbytes()), axis_.route()) : 0;
     detail::nccl_check(call(), (std::string("NCCL ") + detail::to_string(kind)).c_str());
     if (watch_ != nullptr) watch_->queued(seq, stream(t));
   }
@@ -259,6 +318,7 @@ class Nccl {
     }
   }
 
+  MeshAxis axis_;
   detail::MpiGroup* group_;
   torch::Device device_;
   ncclComm_t comm_ = nullptr;

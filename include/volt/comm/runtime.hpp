@@ -42,6 +42,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -193,8 +194,9 @@ class MpiGroup {
   /// How long a collective may wait before the job ends (TrainerOptions::timeout).
   void set_timeout(Clock::duration timeout) { timeout_ = timeout; }
   Clock::duration timeout() const { return timeout_; }
-  /// Records a collective about to be issued on `comm()` (or by a backend of this group); returns its number for wait.
-  uint64_t record(Collective kind, int64_t bytes) { return recorder_.issue(kind, bytes); }
+  /// Records a collective (or a send or receive) about to be issued on `comm()`, on a mesh axis of it or by a backend of
+  /// this group; returns its number for wait.
+  uint64_t record(Collective kind, int64_t bytes, Route route = {}) { return recorder_.issue(kind, bytes, route); }
   const FlightRecorder& recorder() const { return recorder_; }
   FlightRecorder& recorder() { return recorder_; }
   /// Adds a check the heartbeat thread runs at every beat (a backend's device work); a message it returns ends the
@@ -202,8 +204,9 @@ class MpiGroup {
   void add_watcher(Heartbeat::Watcher w) { heartbeat_->add_watcher(std::move(w)); }
 
   /// Waits for `request` (collective number `seq`, 0 for none), throwing RankFailure if another member fails, dies or
-  /// falls silent meanwhile, or when the timeout passes.
-  void wait(MPI_Request& request, uint64_t seq = 0) {
+  /// falls silent meanwhile, or when the timeout passes. `members`: the ranks the collective runs among (a mesh axis;
+  /// empty: all), which the timeout's message looks at.
+  void wait(MPI_Request& request, uint64_t seq = 0, std::span<const int> members = {}) {
     int done = 0;
     const auto started = Clock::now();
     auto next_check = started;
@@ -216,7 +219,7 @@ class MpiGroup {
         next_check = now + std::chrono::milliseconds(100);
         check_peers_alive(request, seq);
         if (request == MPI_REQUEST_NULL) break;
-        check_watchdog(seq, now - started);
+        check_watchdog(seq, now - started, members);
       }
       ::sched_yield();
     }
@@ -269,10 +272,12 @@ class MpiGroup {
     int arrived = 0;
     MPI_Status status;
     MPI_Test(&failure_request_, &arrived, &status);
-    if (arrived) {
-      int len = 0;
+    if (arrived) {  // the rank that failed (4 bytes), then the message
+      int len = 0, failed = status.MPI_SOURCE;
       MPI_Get_count(&status, MPI_CHAR, &len);
-      on_failure(status.MPI_SOURCE, std::string(failure_buffer_.data(), static_cast<std::size_t>(len)));
+      if (len >= static_cast<int>(sizeof failed)) std::memcpy(&failed, failure_buffer_.data(), sizeof failed);
+      const std::size_t skip = std::min<std::size_t>(sizeof failed, static_cast<std::size_t>(std::max(len, 0)));
+      on_failure(failed, std::string(failure_buffer_.data() + skip, static_cast<std::size_t>(len) - skip));
     }
   }
 
@@ -289,20 +294,24 @@ class MpiGroup {
     if (work_ != MPI_COMM_NULL) MPI_Comm_free(&work_);
   }
 
-  /// This member failed with `message`: tell every other member (and a Spawn parent), briefly wait for the
-  /// notices to leave, and mark the process so it never finalises. Never throws.
-  void announce_failure(const std::string& message) noexcept {
+  /// This member failed with `message` (or found rank `failed` gone: -1 for this member): tell every other member
+  /// (and a Spawn parent) who failed and why, briefly wait for the notices to leave, and mark the process so it never
+  /// finalises. Never throws.
+  void announce_failure(const std::string& message, int failed = -1) noexcept {
     if (failed_) return;  // already failing because of someone else: nothing new to say
     failed_ = true;
     heartbeat_->stop();
-    failed_rank_ = rank_;
+    failed_rank_ = failed < 0 ? rank_ : failed;
     failure_message_ = message;
     MpiRuntime::instance().mark_failed();
-    const std::string text = message.substr(0, kMessageCap - 1);
+    const std::string text = message.substr(0, kMessageCap - 1 - sizeof failed_rank_);
+    std::string notice(sizeof failed_rank_, '\0');
+    std::memcpy(notice.data(), &failed_rank_, sizeof failed_rank_);
+    notice += text;
     std::vector<MPI_Request> sends;
     for (const Peer& p : peers_) {
       MPI_Request r;
-      if (MPI_Isend(text.data(), static_cast<int>(text.size()), MPI_CHAR, p.rank, kFailureTag, failure_, &r) == MPI_SUCCESS) {
+      if (MPI_Isend(notice.data(), static_cast<int>(notice.size()), MPI_CHAR, p.rank, kFailureTag, failure_, &r) == MPI_SUCCESS) {
         sends.push_back(r);
       }
     }
@@ -355,7 +364,7 @@ class MpiGroup {
 
   /// While waiting for collective `seq` (0: a message) for `waited`: a watcher's failure, a member silent for longer
   /// than the heartbeat's limit, or the timeout end the job (announced, then thrown here).
-  void check_watchdog(uint64_t seq, Clock::duration waited) {
+  void check_watchdog(uint64_t seq, Clock::duration waited, std::span<const int> members) {
     if (std::string failure = heartbeat_->watcher_failure(); !failure.empty()) give_up(rank_, failure);
     const auto limit = std::min<Clock::duration>(Heartbeat::kSilentLimit, timeout_);
     if (const auto [r, quiet] = heartbeat_->silent(limit); r >= 0) {
@@ -369,15 +378,23 @@ class MpiGroup {
                                                std::to_string(last.completed())) +
                      ".");
     }
-    if (waited >= timeout_) give_up(-1, timeout_message(seq, waited));
+    if (waited >= timeout_) give_up(-1, timeout_message(seq, waited, members));
   }
 
-  /// The collective timeout's message: what this rank waited for, who had not issued it, this rank's record.
-  std::string timeout_message(uint64_t seq, Clock::duration waited) const {
+  /// The collective timeout's message: what this rank waited for, who had not issued it (among `members`; a send's or
+  /// receive's peer), this rank's record.
+  std::string timeout_message(uint64_t seq, Clock::duration waited, std::span<const int> members) const {
+    const FlightEntry waited_for = seq != 0 ? recorder_.entry(seq) : FlightEntry{};
+    const bool p2p = waited_for.seq != 0 && point_to_point(waited_for.kind);
+    const auto involved = [&](int r) {
+      if (p2p) return r == waited_for.route.peer;
+      return members.empty() || std::find(members.begin(), members.end(), r) != members.end();
+    };
     std::string behind;
     for (const Peer& p : peers_) {
+      if (!involved(p.rank)) continue;
       const auto [progress, ago] = heartbeat_->peer(p.rank);
-      if (heartbeat_->running() && seq != 0 && progress.issued() >= seq) continue;
+      if (!p2p && heartbeat_->running() && seq != 0 && progress.issued() >= seq) continue;
       behind += (behind.empty() ? "" : "; ") + std::string("rank ") + std::to_string(p.rank) + " on " + p.host +
                 (heartbeat_->running() ? " (last issued " + progress.last_issued() + ", heard " + seconds_text(ago) +
                                              " ago)"
@@ -386,7 +403,7 @@ class MpiGroup {
     if (!heartbeat_->running()) behind = "unknown (no heartbeats: MPI was initialised without MPI_THREAD_MULTIPLE)";
     return "volt: rank " + std::to_string(rank_) + " on " + host_name() + " waited " + seconds_text(waited) + " for " +
            waiting_for(seq) + ", longer than the collective timeout (TrainerOptions::timeout, " +
-           seconds_text(timeout_) + "). Members that had not issued it: " +
+           seconds_text(timeout_) + (p2p ? "). Its peer: " : "). Members that had not issued it: ") +
            (behind.empty() ? "none (every member issued it; one has stopped inside it)" : behind) + ". Rank " +
            std::to_string(rank_) + "'s last collectives: " + recorder_.recent(6) + ".";
   }
@@ -402,7 +419,7 @@ class MpiGroup {
     return host_name();
   }
   [[noreturn]] void give_up(int rank, const std::string& message) {
-    announce_failure(message);
+    announce_failure(message, rank);
     throw RankFailure(rank, message);
   }
 

@@ -1,9 +1,10 @@
 #pragma once
 /// \file
 /// What a rank knows when a collective does not complete, for the waits of `MpiGroup` (runtime.hpp):
-///  - a **flight recorder**: the last collectives this rank issued, numbered in the order issued (the same
-///    collective has the same number on every rank, as MPI and NCCL need them issued in one order), with the training
-///    step and bucket they served and when they completed (PyTorch's NCCL flight recorder is the model);
+///  - a **flight recorder**: the last collectives, sends and receives this rank issued, numbered in the order issued
+///    (in a program whose ranks issue the same collectives, on whichever mesh axes, the same collective has the same
+///    number on every rank, as MPI and NCCL need them issued in one order), with the training step and bucket they
+///    served, the axis and peer, and when they completed (PyTorch's NCCL flight recorder is the model);
 ///  - **heartbeats**: a thread of each rank sends every other member, twice a second, how far its recorder has got;
 ///    a member not heard from for `kSilentLimit` has lost its process, its host or the link to it, whatever the
 ///    launcher does about it (srun with `KillOnBadExit=0` does nothing, a cut link leaves mpirun waiting). The
@@ -20,13 +21,18 @@
 #include <cstdio>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 namespace volt::detail {
 
-enum class Collective : std::int8_t { all_reduce, reduce_scatter, all_gather, broadcast, barrier, exchange, agreement };
+/// What the recorder records: the collectives, and the point-to-point sends and receives (`send`, `recv`).
+enum class Collective : std::int8_t {
+  all_reduce, reduce_scatter, all_gather, broadcast, barrier, exchange, agreement, send, recv
+};
+inline bool point_to_point(Collective c) { return c == Collective::send || c == Collective::recv; }
 
 inline const char* to_string(Collective c) {
   switch (c) {
@@ -37,6 +43,8 @@ inline const char* to_string(Collective c) {
     case Collective::barrier: return "barrier";
     case Collective::exchange: return "byte exchange";
     case Collective::agreement: return "agreement";
+    case Collective::send: return "send";
+    case Collective::recv: return "receive";
   }
   return "collective";
 }
@@ -71,6 +79,21 @@ inline std::string seconds_text(Clock::duration d) {
   return text;
 }
 
+/// `name` as a string that lives as long as the process (the axis names entries point to): equal names, one copy.
+inline const char* intern(const std::string& name) {
+  static std::mutex mutex;
+  static auto* names = new std::set<std::string>();  // leaked: entries may be described at exit
+  std::lock_guard<std::mutex> lock(mutex);
+  return names->insert(name).first->c_str();
+}
+
+/// Where a collective ran: the mesh axis (null: the whole group) and, for a send or a receive, the peer's rank in
+/// the whole group.
+struct Route {
+  const char* axis = nullptr;
+  int peer = -1;
+};
+
 /// One collective as the recorder keeps it.
 struct FlightEntry {
   uint64_t seq = 0;  // 1, 2, ... in the order issued; 0: none
@@ -79,28 +102,35 @@ struct FlightEntry {
   int bucket = -1;
   int64_t bytes = -1;
   Clock::time_point issued{}, completed{};  // completed: {} while in flight
+  Route route{};
 };
 
-/// "all-reduce #12 (step 3, bucket 1, 4096 bytes)".
-inline std::string describe(Collective kind, uint64_t seq, int64_t step, int bucket, int64_t bytes) {
+/// "all-reduce #12 (step 3, bucket 1, 4096 bytes)", "send #13 to rank 3 on axis pipe (step 2, 512 bytes)".
+inline std::string describe(Collective kind, uint64_t seq, int64_t step, int bucket, int64_t bytes, Route route = {}) {
   std::string s = std::string(to_string(kind)) + " #" + std::to_string(seq);
+  if (route.peer >= 0) s += (kind == Collective::recv ? " from rank " : " to rank ") + std::to_string(route.peer);
+  if (route.axis != nullptr) s += std::string(" on axis ") + route.axis;
   std::string detail;
   if (step >= 0) detail += "step " + std::to_string(step);
   if (bucket >= 0) detail += (detail.empty() ? "" : ", ") + std::string("bucket ") + std::to_string(bucket);
   if (bytes >= 0) detail += (detail.empty() ? "" : ", ") + std::to_string(bytes) + " bytes";
   return detail.empty() ? s : s + " (" + detail + ")";
 }
-inline std::string describe(const FlightEntry& e) { return describe(e.kind, e.seq, e.step, e.bucket, e.bytes); }
+inline std::string describe(const FlightEntry& e) {
+  return describe(e.kind, e.seq, e.step, e.bucket, e.bytes, e.route);
+}
 
-/// A rank's progress as its heartbeat carries it: the last collective issued (number, kind, step, bucket, bytes) and
-/// the highest number completed.
+/// A rank's progress as its heartbeat carries it: the last collective issued (number, kind, step, bucket, bytes, the
+/// peer of a send or receive) and the highest number completed.
 struct Progress {
-  std::array<int64_t, 6> words{};
+  static constexpr int kWords = 7;
+  std::array<int64_t, kWords> words{};
   uint64_t issued() const { return static_cast<uint64_t>(words[0]); }
   uint64_t completed() const { return static_cast<uint64_t>(words[5]); }
   std::string last_issued() const {
     if (issued() == 0) return "none issued yet";
-    return describe(static_cast<Collective>(words[1]), issued(), words[2], static_cast<int>(words[3]), words[4]);
+    return describe(static_cast<Collective>(words[1]), issued(), words[2], static_cast<int>(words[3]), words[4],
+                    Route{nullptr, static_cast<int>(words[6])});
   }
 };
 
@@ -109,12 +139,12 @@ class FlightRecorder {
  public:
   static constexpr std::size_t kKept = 32;
 
-  /// Records a collective about to be issued; returns its number.
-  uint64_t issue(Collective kind, int64_t bytes) {
+  /// Records a collective (or a send or receive) about to be issued; returns its number.
+  uint64_t issue(Collective kind, int64_t bytes, Route route = {}) {
     std::lock_guard<std::mutex> lock(mutex_);
     const CollectiveTag& tag = collective_tag();
     ++issued_;
-    ring_[issued_ % kKept] = FlightEntry{issued_, kind, tag.step, tag.bucket, bytes, Clock::now(), {}};
+    ring_[issued_ % kKept] = FlightEntry{issued_, kind, tag.step, tag.bucket, bytes, Clock::now(), {}, route};
     return issued_;
   }
   void complete(uint64_t seq) {
@@ -128,7 +158,7 @@ class FlightRecorder {
     Progress p;
     const FlightEntry& last = ring_[issued_ % kKept];
     p.words = {static_cast<int64_t>(issued_), static_cast<int64_t>(last.kind), last.step, last.bucket, last.bytes,
-               static_cast<int64_t>(completed_)};
+               static_cast<int64_t>(completed_), last.route.peer};
     return p;
   }
   /// The entry numbered `seq` while it is still kept (seq 0 otherwise).
@@ -234,7 +264,7 @@ class Heartbeat {
     std::vector<Progress> out(static_cast<std::size_t>(size_));
     Progress in;
     MPI_Request receive = MPI_REQUEST_NULL;
-    MPI_Irecv(in.words.data(), 6, MPI_INT64_T, MPI_ANY_SOURCE, kTag, comm_, &receive);
+    MPI_Irecv(in.words.data(), Progress::kWords, MPI_INT64_T, MPI_ANY_SOURCE, kTag, comm_, &receive);
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stopping_) {
       lock.unlock();
@@ -248,7 +278,7 @@ class Heartbeat {
           heard_[static_cast<std::size_t>(status.MPI_SOURCE)] = Clock::now();
           peers_[static_cast<std::size_t>(status.MPI_SOURCE)] = in;
         }
-        MPI_Irecv(in.words.data(), 6, MPI_INT64_T, MPI_ANY_SOURCE, kTag, comm_, &receive);
+        MPI_Irecv(in.words.data(), Progress::kWords, MPI_INT64_T, MPI_ANY_SOURCE, kTag, comm_, &receive);
       }
       std::vector<Watcher> watchers;
       {
@@ -282,7 +312,7 @@ class Heartbeat {
       if (r == rank_) continue;
       if (send != MPI_REQUEST_NULL && (MPI_Test(&send, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done)) continue;
       out[static_cast<std::size_t>(r)] = mine;
-      MPI_Isend(out[static_cast<std::size_t>(r)].words.data(), 6, MPI_INT64_T, r, kTag, comm_, &send);
+      MPI_Isend(out[static_cast<std::size_t>(r)].words.data(), Progress::kWords, MPI_INT64_T, r, kTag, comm_, &send);
     }
   }
 

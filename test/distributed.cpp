@@ -27,6 +27,8 @@
 //                                                     (any status: --any-status) within TIMEOUT s with every MESSAGE
 //                                                     in its output and leaves no process behind
 //   distributed gpu-zero <script|spawn>               the same with ZeRO<2, L, Nccl>
+//   distributed gpu-mesh                              Nccl on a 1x1 mesh's axes (split, and from own ids): reduce,
+//                                                     gather, send to itself; exits 77 without CUDA or NCCL
 //   distributed gpu-ddp <script|spawn>                DDP<L, Nccl> with Bf16Mixed on one GPU (world size 1: NCCL
 //                                                     refuses two ranks on one device) == SingleDevice; exits 77
 //                                                     where CUDA or NCCL is missing
@@ -1324,6 +1326,42 @@ int gpu_ddp_scenario() {
 #endif
 }
 
+/// Nccl on a mesh at world size 1 (NCCL refuses two ranks on one device): a 1x1 mesh's axes split from the world's
+/// communicator (ncclCommSplit) and made from their own ids (ncclCommInitRank), each all-reducing, all-gathering and
+/// sending to itself and receiving from itself in one group; exits 77 where CUDA or NCCL is missing.
+int gpu_mesh_scenario() {
+#if VOLT_WITH_NCCL
+  if (!volt::GPU::is_available()) {
+    std::cout << "no CUDA device visible: skipped" << std::endl;
+    return 77;
+  }
+  const torch::Device cuda(torch::kCUDA, 0);
+  volt::Mesh mesh(nullptr, {{"data", 1}, {"tensor", 1}});
+  volt::Nccl world(volt::MeshAxis::world(nullptr), cuda);
+  for (const char* name : {"data", "tensor"}) {
+    volt::Nccl split(world, mesh.axis(name)), own(mesh.axis(name), cuda);
+    for (volt::Nccl* nccl : {&split, &own}) {
+      torch::Tensor t = torch::arange(6, torch::TensorOptions().device(cuda).dtype(torch::kFloat32));
+      nccl->all_reduce_(t, volt::Reduce::sum);
+      torch::Tensor flat = t.clone();
+      nccl->all_gather_(flat);
+      const torch::Tensor out = torch::randn({3, 4}, torch::TensorOptions().device(cuda)).to(torch::kBFloat16);
+      torch::Tensor in = torch::zeros_like(out);
+      nccl->ibatch_({{volt::P2P::send, out, 0}, {volt::P2P::recv, in, 0}}).wait();
+      torch::cuda::synchronize();
+      check(torch::equal(t.cpu(), torch::arange(6, torch::kFloat32)) && torch::equal(flat.cpu(), t.cpu()),
+            std::string("axis ") + name + ": a world of one reduces and gathers to itself");
+      check(torch::equal(in.cpu(), out.cpu()), std::string("axis ") + name + ": a send to itself is received");
+    }
+  }
+  if (failures == 0) std::cout << "gpu-mesh: NCCL split and own communicators on each axis, sends to itself" << std::endl;
+  return failures == 0 ? 0 : 1;
+#else
+  std::cout << "volt::nccl is not linked (no NCCL or no CUDA LibTorch at configure time): skipped" << std::endl;
+  return 77;
+#endif
+}
+
 }  // namespace
 
 namespace {
@@ -1472,6 +1510,8 @@ const Mode kModes[] = {
      [](const std::vector<std::string>& a) {
        return spawn_given(a) ? gpu_ddp_scenario<volt::Spawn, true>() : gpu_ddp_scenario<volt::Script, true>();
      }},
+    {"gpu-mesh", ": Nccl on the axes of a 1x1 mesh (split and made), sends to itself",
+     [](const std::vector<std::string>&) { return gpu_mesh_scenario(); }},
     {"fail", "<script|spawn> rank step [throw|die|stall]: that rank throws, is killed or stalls at that step",
      [](const std::vector<std::string>& a) {
        const int rank = std::stoi(a.at(2)), step = std::stoi(a.at(3));

@@ -105,6 +105,7 @@ set_tests_properties(dist.placement.spawn_omp3 PROPERTIES  # the job's own OMP_N
 volt_gpu_test(gpu.ddp_script ${dist} gpu-ddp script)
 volt_gpu_test(gpu.ddp_spawn ${dist} gpu-ddp spawn)
 volt_gpu_test(gpu.zero_script ${dist} gpu-zero script)
+volt_gpu_test(gpu.mesh ${dist} gpu-mesh)
 set_tests_properties(gpu PROPERTIES RESOURCE_LOCK gpu)
 
 # Resuming in new processes: SIGKILL at a random step, kills during writes, 2 ranks, N -> M ranks, Python.

@@ -303,8 +303,11 @@ class Nccl {
   template <class F>
   void issue(detail::Collective kind, const torch::Tensor& t, F&& call) {
     const uint64_t seq = group_ != nullptr ? group_->record(kind, static_cast<int64_t>(t.nbytes()), axis_.route()) : 0;
-    detail::nccl_check(call(), (std::string("NCCL ") + detail::to_string(kind)).c_str());
+    if (const ncclResult_t r = call(); r != ncclSuccess) failed(r, kind);
     if (watch_ != nullptr) watch_->queued(seq, stream(t));
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] static void failed(ncclResult_t r, detail::Collective kind) {
+    throw std::runtime_error(std::string("volt: NCCL ") + detail::to_string(kind) + " failed: " + ncclGetErrorString(r));
   }
   template <class F>
   void with_contiguous(const torch::Tensor& t, F&& f) {

@@ -5,10 +5,11 @@
 //   ddp world1 [--rounds 7] [--steps 100]       in one process, rounds interleaved: SingleDevice vs DDP at world
 //                                               size 1 (broadcast, bucketed all-reduce of one rank); median
 //                                               step times and their ratio.
-//   ddp allreduce [--rounds 7] [--mb 4]         under mpirun/srun (any world size): volt::Mpi's all-reduce of a
-//                                               float32 tensor of that many MiB against MPI_Allreduce of the same
-//                                               bytes, interleaved; median bus bandwidths (2 (n-1)/n bytes / time,
-//                                               as nccl-tests count it) and their ratio.
+//   ddp collectives [--rounds 7] [--mb 4]       under mpirun/srun (any world size): volt::Mpi's all-reduce,
+//                                               reduce-scatter and all-gather of a float32 tensor of that many MiB
+//                                               against Open MPI's blocking ones of the same bytes, interleaved;
+//                                               median bus bandwidths (as nccl-tests count them), their ratio, and
+//                                               the share of a collective hidden behind as long a compute.
 //   --nodes N (two-rank): the 2 ranks span N hosts (devices = 2 / N), as bench/ddp_cluster.sh starts them.
 // Model (both): MLP 784-512-512-10, batch 64 per rank, SGD, cross entropy, one intra-op thread per process.
 
@@ -20,6 +21,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -72,17 +74,59 @@ double seconds_per_step(int devices, int64_t steps, int64_t warmup, bool* is_zer
   return trainer.template callback<StepTimer>().seconds() / static_cast<double>(steps);
 }
 
-/// volt::Mpi's all-reduce against MPI_Allreduce of the same bytes on MPI_COMM_WORLD, `rounds` interleaved rounds of
-/// `reps` each; rank 0 prints the JSON line.
-int allreduce(int rounds, double mb) {
+/// One collective kind as the benchmark runs it: volt's (non-blocking, then waited) and Open MPI's blocking one on the
+/// same bytes, and the bus-bandwidth factor (nccl-tests' busbw: 2 (n-1)/n of the bytes for an all-reduce, (n-1)/n for
+/// reduce-scatter and all-gather, the bytes being the whole flat buffer).
+struct Kind {
+  const char* name;
+  double bus_factor;
+  std::function<volt::Mpi::Work(torch::Tensor&)> start;
+  std::function<void(torch::Tensor&)> blocking;
+};
+
+std::vector<Kind> kinds(volt::Mpi& mpi, int world) {
+  const double n = world;
+  auto* comm = MPI_COMM_WORLD;
+  return {
+      {"all_reduce", 2 * (n - 1) / n, [&mpi](torch::Tensor& t) { return mpi.iall_reduce_(t, volt::Reduce::sum); },
+       [comm](torch::Tensor& t) {
+         MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, comm);
+       }},
+      {"reduce_scatter", (n - 1) / n, [&mpi](torch::Tensor& t) { return mpi.ireduce_scatter_(t, volt::Reduce::sum); },
+       [comm, world](torch::Tensor& t) {
+         static torch::Tensor out;
+         if (!out.defined() || out.numel() != t.numel() / world) out = torch::empty({t.numel() / world});
+         MPI_Reduce_scatter_block(t.data_ptr(), out.data_ptr(), static_cast<int>(t.numel() / world), MPI_FLOAT,
+                                  MPI_SUM, comm);
+       }},
+      {"all_gather", (n - 1) / n, [&mpi](torch::Tensor& t) { return mpi.iall_gather_(t); },
+       [comm, world](torch::Tensor& t) {
+         MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, t.data_ptr(), static_cast<int>(t.numel() / world), MPI_FLOAT,
+                       comm);
+       }},
+  };
+}
+
+/// Busy work for about `seconds` on this thread (matrix products), as backward's kernels keep a rank busy.
+void compute_for(double seconds) {
+  static const torch::Tensor a = torch::randn({128, 128});
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < until) (void)torch::mm(a, a);
+}
+
+/// volt::Mpi's all-reduce, reduce-scatter and all-gather against Open MPI's blocking ones of the same bytes on
+/// MPI_COMM_WORLD, `rounds` interleaved rounds of `reps` each; then how much of a collective is hidden behind compute:
+/// started, then as long a spell of matrix products as the blocking collective takes, then waited for (hidden = 1 -
+/// that wait / the blocking time: 1 where the collective progressed during the compute, 0 where it all waited for the
+/// wait). Rank 0 prints one JSON line per kind.
+int collectives(int rounds, double mb) {
   auto& runtime = volt::detail::MpiRuntime::instance();
   runtime.ensure_initialized();
   auto* group = new volt::detail::MpiGroup(MPI_COMM_WORLD);  // lives to the end, as a launcher's does
   volt::Mpi mpi(group);
   const int world = group->size();
-  const auto n = static_cast<int64_t>(mb * 1024 * 1024 / 4);
-  torch::Tensor a = torch::ones({n}), b = torch::ones({n});
-  const double bytes = 4.0 * static_cast<double>(n), bus = 2.0 * (world - 1) / world * bytes;
+  const auto n = static_cast<int64_t>(mb * 1024 * 1024 / 4) / world * world;
+  const double bytes = 4.0 * static_cast<double>(n);
   constexpr int reps = 10;
   auto time = [&](auto&& once) {
     mpi.barrier();
@@ -90,21 +134,29 @@ int allreduce(int rounds, double mb) {
     for (int i = 0; i < reps; ++i) once();
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
   };
-  std::vector<double> ours, raw, ratios;
-  for (int r = 0; r < rounds; ++r) {
-    const double v = time([&] { mpi.all_reduce_(a, volt::Reduce::sum); });
-    const double m = time([&] {
-      MPI_Allreduce(MPI_IN_PLACE, b.data_ptr(), static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-    });
-    ours.push_back(bus / v / 1e9);
-    raw.push_back(bus / m / 1e9);
-    ratios.push_back(m / v);
-  }
-  if (group->rank() == 0) {
-    std::cout << "{\"bench\":\"ddp_allreduce_vs_mpi\",\"world_size\":" << world << ",\"hosts\":" << group->nodes()
-              << ",\"mib\":" << mb << ",\"rounds\":" << rounds << ",\"volt_bus_gb_s\":" << median(ours)
-              << ",\"mpi_bus_gb_s\":" << median(raw) << ",\"ratio\":" << median(ours) / median(raw)
-              << ",\"median_round_ratio\":" << median(ratios) << "}" << std::endl;
+  for (const Kind& kind : kinds(mpi, world)) {
+    torch::Tensor a = torch::ones({n}), b = torch::ones({n});
+    std::vector<double> ours, raw, ratios, hidden;
+    for (int r = 0; r < rounds; ++r) {
+      const double v = time([&] { kind.start(a).wait(); });
+      const double m = time([&] { kind.blocking(b); });
+      ours.push_back(kind.bus_factor * bytes / v / 1e9);
+      raw.push_back(kind.bus_factor * bytes / m / 1e9);
+      ratios.push_back(m / v);
+      mpi.barrier();
+      auto work = kind.start(a);
+      compute_for(m);
+      const auto t0 = std::chrono::steady_clock::now();
+      work.wait();
+      hidden.push_back(1.0 - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / m);
+    }
+    if (group->rank() == 0) {
+      std::cout << "{\"bench\":\"ddp_collective_vs_mpi\",\"kind\":\"" << kind.name << "\",\"world_size\":" << world
+                << ",\"hosts\":" << group->nodes() << ",\"mib\":" << mb << ",\"rounds\":" << rounds
+                << ",\"volt_bus_gb_s\":" << median(ours) << ",\"mpi_bus_gb_s\":" << median(raw)
+                << ",\"ratio\":" << median(ours) / median(raw) << ",\"median_round_ratio\":" << median(ratios)
+                << ",\"hidden_behind_compute\":" << median(hidden) << "}" << std::endl;
+    }
   }
   return 0;
 }
@@ -124,7 +176,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--nodes")) nodes = std::stoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--mb")) mb = std::stod(argv[i + 1]);
   }
-  if (mode == "allreduce") return allreduce(rounds, mb);
+  if (mode == "collectives") return collectives(rounds, mb);
   if (mode == "two-rank") {
     bool zero = false;
     const double s = seconds_per_step<volt::DDP<volt::Script>>(2, steps, warmup, &zero, nodes);

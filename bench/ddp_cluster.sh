@@ -2,8 +2,8 @@
 # DDP across 2 emulated hosts (test/cluster/up.sh: network namespaces on a kernel bridge, SLURM), one rank per host:
 #  - volt (`ddp two-rank --nodes 2` under srun --mpi=pmix) against torch DDP over gloo (ddp_vs_torch.py, one process
 #    started on each host), interleaved rounds: steps per second and their ratio (> 1: volt is faster);
-#  - volt::Mpi's all-reduce against Open MPI's own MPI_Allreduce of the same bytes on the same hosts (`ddp allreduce`):
-#    bus bandwidth and ratio, for 4 MiB and 64 MiB.
+#  - volt::Mpi's all-reduce, reduce-scatter and all-gather against Open MPI's own blocking ones of the same bytes on
+#    the same hosts (`ddp collectives`): bus bandwidth and ratio, for 4 MiB and 64 MiB.
 # The link is a kernel bridge, not a wire: only the ratios mean anything. Prints each run's JSON line and a summary.
 #   bash bench/ddp_cluster.sh CLUSTER_DIR BUILD_DIR [ROUNDS] [STEPS]     (the cluster up: test/cluster/up.sh DIR)
 set -euo pipefail
@@ -36,7 +36,7 @@ for ((r = 1; r <= rounds; r++)); do
 done
 rm -f "$lines.torch"
 for mb in 4 64; do
-  bash "$launch" "$cluster" srun 2 2 -- "$build/bench/ddp" allreduce --rounds 7 --mb "$mb" | grep ddp_allreduce_vs_mpi
+  bash "$launch" "$cluster" srun 2 2 -- "$build/bench/ddp" collectives --rounds 7 --mb "$mb" | grep ddp_collective_vs_mpi
 done
 /usr/bin/python3 - "$lines" <<'PY'
 import json, statistics, sys

@@ -2,8 +2,11 @@
 /// \file
 /// `volt::Mpi`: collectives on tensors over Open MPI. CPU tensors are reduced in place; CUDA tensors (when
 /// a GPU run chooses Mpi over Nccl) are staged through host memory; float16/bfloat16 are reduced in
-/// float32 (MPI has no type for them). Every wait watches the group's failure channel (see runtime.hpp).
+/// float32 (MPI has no type for them). The collectives run blocking on a thread of the backend's own
+/// (collective_thread.hpp: Open MPI's tuned algorithms, progressing while the rank computes); sends and receives are
+/// MPI's non-blocking ones. Every wait watches the group's failure channel (see runtime.hpp).
 
+#include "volt/comm/collective_thread.hpp"
 #include "volt/comm/concept.hpp"
 #include "volt/comm/mesh.hpp"
 #include "volt/comm/runtime.hpp"
@@ -85,15 +88,28 @@ class Mpi {
     MPI_Request* add(detail::Collective kind, torch::Tensor target, torch::Tensor buffer, detail::Route route,
                      torch::Tensor input = {}) {
       const int64_t bytes = static_cast<int64_t>(buffer.nbytes());
-      parts_.push_back({std::move(target), std::move(buffer), std::move(input), MPI_REQUEST_NULL,
+      parts_.push_back({std::move(target), std::move(buffer), std::move(input), MPI_REQUEST_NULL, nullptr,
                         group_->record(kind, bytes, route)});
       return &parts_.back().request;
     }
+    /// Adds one collective `call` queued on `thread` (the operation `kind` on `buffer`, recorded as add() records).
+    void add(detail::CollectiveThread& thread, detail::Collective kind, torch::Tensor target, torch::Tensor buffer,
+             detail::Route route, detail::CollectiveThread::Call call) {
+      const int64_t bytes = static_cast<int64_t>(buffer.nbytes());
+      const uint64_t seq = group_->record(kind, bytes, route);
+      parts_.push_back({std::move(target), std::move(buffer), {}, MPI_REQUEST_NULL, thread.submit(std::move(call)), seq});
+    }
     void wait() {
       for (Part& p : parts_) {
-        group_->wait(p.request, p.seq, members_);
+        if (p.ticket != nullptr) {
+          const auto pause = [&p] { p.ticket->wait_for(std::chrono::milliseconds(100)); };
+          group_->wait_until([&p] { return p.ticket->done(); }, pause, p.seq, members_);
+          detail::mpi_check(p.ticket->error(), "an MPI collective");
+        } else {
+          group_->wait(p.request, p.seq, members_);
+        }
         if (op_ == Reduce::mean) p.buffer.div_(divisor_);
-        if (p.target.defined() && p.buffer.unsafeGetTensorImpl() != p.target.unsafeGetTensorImpl()) {
+        if (p.target.defined() && p.buffer.data_ptr() != p.target.data_ptr()) {
           p.target.copy_(p.buffer.view_as(p.target));
         }
       }
@@ -103,7 +119,8 @@ class Mpi {
    private:
     struct Part {
       torch::Tensor target, buffer, input;
-      MPI_Request request;
+      MPI_Request request;                      // a send or receive
+      std::shared_ptr<detail::Ticket> ticket;   // or a collective on the backend's thread
       uint64_t seq;
     };
     detail::MpiGroup* group_ = nullptr;
@@ -115,8 +132,12 @@ class Mpi {
 
   explicit Mpi(detail::MpiGroup* group = nullptr, torch::Device device = torch::kCPU)
       : Mpi(MeshAxis::world(group), device) {}
-  /// On the members of `axis` (which must outlive the backend's work).
-  explicit Mpi(const MeshAxis& axis, torch::Device device = torch::kCPU) : axis_(axis) { (void)device; }
+  /// On the members of `axis` (which must outlive the backend's work). Collective over them where there are several:
+  /// the collective thread's communicator is duplicated from the axis's.
+  explicit Mpi(const MeshAxis& axis, torch::Device device = torch::kCPU) : axis_(axis) {
+    (void)device;
+    if (axis_.size() > 1) thread_ = std::make_shared<detail::CollectiveThread>(*axis_.group(), axis_.comm());
+  }
 
   int rank() const { return axis_.rank(); }
   int size() const { return axis_.size(); }
@@ -128,10 +149,10 @@ class Mpi {
     if (size() == 1) return Work();
     torch::Tensor buffer = detail::mpi_buffer(t);
     Work work(axis_, op);
-    MPI_Request* request = work.add(detail::Collective::all_reduce, t, buffer, axis_.route());
-    detail::mpi_check(MPI_Iallreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(buffer.numel()),
-                                     detail::mpi_type(buffer.scalar_type()), detail::mpi_op(op), axis_.comm(), request),
-                      "MPI_Iallreduce");
+    work.add(*thread_, detail::Collective::all_reduce, t, buffer, axis_.route(), [buffer, op](MPI_Comm c) {
+      return MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(buffer.numel()),
+                           detail::mpi_type(buffer.scalar_type()), detail::mpi_op(op), c);
+    });
     return work;
   }
   /// All-reduces `t` in place (sum, mean, max or min across ranks).
@@ -168,10 +189,10 @@ class Mpi {
     if (size() == 1) return;
     torch::Tensor buffer = detail::mpi_buffer(t);
     Work work(axis_, Reduce::sum);
-    MPI_Request* request = work.add(detail::Collective::broadcast, t, buffer, axis_.route());
-    detail::mpi_check(MPI_Ibcast(buffer.data_ptr(), static_cast<int>(buffer.numel()),
-                                 detail::mpi_type(buffer.scalar_type()), root, axis_.comm(), request),
-                      "MPI_Ibcast");
+    work.add(*thread_, detail::Collective::broadcast, t, buffer, axis_.route(), [buffer, root](MPI_Comm c) {
+      return MPI_Bcast(buffer.data_ptr(), static_cast<int>(buffer.numel()), detail::mpi_type(buffer.scalar_type()),
+                       root, c);
+    });
     work.wait();
   }
 
@@ -183,11 +204,11 @@ class Mpi {
     for (int64_t s : t.sizes()) shape.push_back(s);
     torch::Tensor out = torch::empty(shape, buffer.options());
     Work work(axis_, Reduce::sum);
-    MPI_Request* request = work.add(detail::Collective::all_gather, {}, out, axis_.route(), buffer);
-    const MPI_Datatype type = detail::mpi_type(buffer.scalar_type());
-    detail::mpi_check(MPI_Iallgather(buffer.data_ptr(), static_cast<int>(buffer.numel()), type, out.data_ptr(),
-                                     static_cast<int>(buffer.numel()), type, axis_.comm(), request),
-                      "MPI_Iallgather");
+    work.add(*thread_, detail::Collective::all_gather, {}, out, axis_.route(), [buffer, out](MPI_Comm c) {
+      const MPI_Datatype type = detail::mpi_type(buffer.scalar_type());
+      return MPI_Allgather(buffer.data_ptr(), static_cast<int>(buffer.numel()), type, out.data_ptr(),
+                           static_cast<int>(buffer.numel()), type, c);
+    });
     work.wait();
     return out.to(t.options());
   }
@@ -199,15 +220,15 @@ class Mpi {
     check_mean(flat, op);
     const int64_t n = detail::block_numel(flat, size(), "reduce-scatter", kMaxBlock);
     if (size() == 1) return Work();
+    // In place (MPI_IN_PLACE): the reduced block lands at the front of the buffer, and wait() moves it to this
+    // rank's block; no block-sized buffer is allocated (and faulted in) per call.
     torch::Tensor input = detail::mpi_buffer(flat);
-    torch::Tensor block = torch::empty({n}, input.options());
     Work work(axis_, op);
-    MPI_Request* request = work.add(detail::Collective::reduce_scatter, detail::block_of(flat, rank(), size()), block,
-                                    axis_.route(), input);
-    detail::mpi_check(MPI_Ireduce_scatter_block(input.data_ptr(), block.data_ptr(), static_cast<int>(n),
-                                                detail::mpi_type(input.scalar_type()), detail::mpi_op(op),
-                                                axis_.comm(), request),
-                      "MPI_Ireduce_scatter_block");
+    work.add(*thread_, detail::Collective::reduce_scatter, detail::block_of(flat, rank(), size()), input.narrow(0, 0, n),
+             axis_.route(), [input, n, op](MPI_Comm c) {
+               return MPI_Reduce_scatter_block(MPI_IN_PLACE, input.data_ptr(), static_cast<int>(n),
+                                               detail::mpi_type(input.scalar_type()), detail::mpi_op(op), c);
+             });
     return work;
   }
   void reduce_scatter_(const torch::Tensor& flat, Reduce op) { ireduce_scatter_(flat, op).wait(); }
@@ -220,11 +241,10 @@ class Mpi {
     if (size() == 1) return Work();
     torch::Tensor buffer = flat.is_cpu() && flat.is_contiguous() ? flat : flat.to(torch::kCPU).contiguous();
     Work work(axis_, Reduce::sum);
-    MPI_Request* request = work.add(detail::Collective::all_gather, flat, buffer, axis_.route());
     const int bytes = static_cast<int>(n * buffer.element_size());
-    detail::mpi_check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data_ptr(), bytes, MPI_BYTE,
-                                     axis_.comm(), request),
-                      "MPI_Iallgather");
+    work.add(*thread_, detail::Collective::all_gather, flat, buffer, axis_.route(), [buffer, bytes](MPI_Comm c) {
+      return MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buffer.data_ptr(), bytes, MPI_BYTE, c);
+    });
     return work;
   }
   void all_gather_(const torch::Tensor& flat) { iall_gather_(flat).wait(); }
@@ -232,8 +252,8 @@ class Mpi {
   void barrier() {
     if (size() == 1) return;
     Work work(axis_, Reduce::sum);
-    MPI_Request* request = work.add(detail::Collective::barrier, {}, torch::empty({0}), axis_.route());
-    detail::mpi_check(MPI_Ibarrier(axis_.comm(), request), "MPI_Ibarrier");
+    work.add(*thread_, detail::Collective::barrier, {}, torch::empty({0}), axis_.route(),
+             [](MPI_Comm c) { return MPI_Barrier(c); });
     work.wait();
   }
 
@@ -273,6 +293,7 @@ class Mpi {
   static constexpr int kP2PTag = 31020;
 
   MeshAxis axis_;
+  std::shared_ptr<detail::CollectiveThread> thread_;  // where there are several members; shared by copies
 };
 
 static_assert(CollectiveBackend<Mpi>);

@@ -207,21 +207,29 @@ class MpiGroup {
   /// falls silent meanwhile, or when the timeout passes. `members`: the ranks the collective runs among (a mesh axis;
   /// empty: all), which the timeout's message looks at.
   void wait(MPI_Request& request, uint64_t seq = 0, std::span<const int> members = {}) {
-    int done = 0;
+    const auto done = [&request] {
+      int finished = 0;
+      mpi_check(MPI_Test(&request, &finished, MPI_STATUS_IGNORE), "MPI_Test");
+      return finished != 0;
+    };
+    wait_until(done, [] { ::sched_yield(); }, seq, members);
+  }
+  /// The same for any work that `done()` says has finished; `pause()` runs between the checks (a yield, or a short
+  /// wait on the work).
+  template <class Done, class Pause>
+  void wait_until(Done&& done, Pause&& pause, uint64_t seq = 0, std::span<const int> members = {}) {
     const auto started = Clock::now();
     auto next_check = started;
-    for (;;) {
-      mpi_check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
-      if (done) break;
+    while (!done()) {
+      pause();  // first: MPI calls from this thread at the start of a collective slow the thread that runs it
+      if (done()) break;
       poll_failures();
       const auto now = Clock::now();
       if (now >= next_check) {
         next_check = now + std::chrono::milliseconds(100);
-        check_peers_alive(request, seq);
-        if (request == MPI_REQUEST_NULL) break;
+        if (check_peers_alive(done, seq)) break;
         check_watchdog(seq, now - started, members);
       }
-      ::sched_yield();
     }
     if (seq != 0) recorder_.complete(seq);
   }
@@ -349,17 +357,18 @@ class MpiGroup {
   }
 
   /// A member on this host whose process has ended (killed, crashed): announced to the others, then thrown here.
-  void check_peers_alive(MPI_Request& request, uint64_t seq) {
+  /// Returns true when the work finished after all (the member's last message completed it before it left).
+  template <class Done>
+  bool check_peers_alive(Done& done, uint64_t seq) {
     for (const Peer& p : peers_) {
       if (!p.visible || !process_gone(p.pid)) continue;
-      int done = 0;  // its last message may have completed our request before it left
-      MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-      if (done) return;
+      if (done()) return true;
       poll_failures();
       give_up(p.rank, "volt: rank " + std::to_string(p.rank) + " (pid " + std::to_string(p.pid) + " on " + p.host +
                           ") ended without a message (killed or crashed) while rank " + std::to_string(rank_) +
                           " was waiting for " + waiting_for(seq) + ".");
     }
+    return false;
   }
 
   /// While waiting for collective `seq` (0: a message) for `waited`: a watcher's failure, a member silent for longer

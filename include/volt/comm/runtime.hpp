@@ -3,9 +3,10 @@
 /// The MPI side of a process: initialisation (Boost.MPI's environment, once per process), a process group
 /// with a failure channel, and waits that never hang on a dead peer.
 ///
-/// Failure model. Every wait volt does on MPI is a polling loop (`MPI_Test`) that also watches
-///  - a failure channel: a rank whose body throws sends its message to every other member (and to a Spawn
-///    parent) before it rethrows; a waiting member throws `volt::RankFailure` carrying that message;
+/// Failure model. Every wait volt does on MPI is a polling loop (`MPI_Test`, or a collective thread's ticket) that
+/// also watches
+///  - a failure channel: a rank whose body throws sends who failed and its message to every other member (and to a
+///    Spawn parent) before it rethrows; a waiting member throws `volt::RankFailure` carrying both;
 ///  - the peers' processes: members on the same host whose PIDs this process can see (`Peer::visible`) are checked
 ///    with `kill(pid, 0)`, so a peer that died without a word (a crash, SIGKILL) is noticed at once;
 ///  - the peers' heartbeats (watchdog.hpp): a member on any host not heard from for `Heartbeat::kSilentLimit` (or the

@@ -220,13 +220,12 @@ class Mpi {
     check_mean(flat, op);
     const int64_t n = detail::block_numel(flat, size(), "reduce-scatter", kMaxBlock);
     if (size() == 1) return Work();
-    // In place (MPI_IN_PLACE): the reduced block lands at the front of the buffer, and wait() moves it to this
-    // rank's block; no block-sized buffer is allocated (and faulted in) per call.
     torch::Tensor input = detail::mpi_buffer(flat);
+    torch::Tensor block = block_buffer(n, input.options());
     Work work(axis_, op);
-    work.add(*thread_, detail::Collective::reduce_scatter, detail::block_of(flat, rank(), size()), input.narrow(0, 0, n),
-             axis_.route(), [input, n, op](MPI_Comm c) {
-               return MPI_Reduce_scatter_block(MPI_IN_PLACE, input.data_ptr(), static_cast<int>(n),
+    work.add(*thread_, detail::Collective::reduce_scatter, detail::block_of(flat, rank(), size()), block, axis_.route(),
+             [input, block, n, op](MPI_Comm c) {
+               return MPI_Reduce_scatter_block(input.data_ptr(), block.data_ptr(), static_cast<int>(n),
                                                detail::mpi_type(input.scalar_type()), detail::mpi_op(op), c);
              });
     return work;
@@ -267,6 +266,19 @@ class Mpi {
     }
   }
 
+  /// A block-sized buffer for a reduce-scatter's result, reused once nothing else holds it: fresh pages for every call
+  /// cost as much as the transfer, and Open MPI's in-place reduce-scatter takes a temporary of the whole size.
+  torch::Tensor block_buffer(int64_t n, const torch::TensorOptions& options) {
+    for (const torch::Tensor& b : blocks_) {
+      if (b.use_count() == 1 && b.numel() == n && b.dtype() == options.dtype()) return b;
+    }
+    torch::Tensor b = torch::empty({n}, options);
+    if (blocks_.size() == kKeptBlocks) blocks_.erase(blocks_.begin());
+    blocks_.push_back(b);
+    return b;
+  }
+  static constexpr std::size_t kKeptBlocks = 4;
+
   /// A send or receive's peer is a rank of the axis, and its bytes fit MPI's int count.
   void check_peer(const P2P& op) const {
     if (op.peer < 0 || op.peer >= size() || (size() == 1 && op.peer != rank())) {
@@ -294,6 +306,7 @@ class Mpi {
 
   MeshAxis axis_;
   std::shared_ptr<detail::CollectiveThread> thread_;  // where there are several members; shared by copies
+  std::vector<torch::Tensor> blocks_;                 // reduce-scatter results, reused (block_buffer)
 };
 
 static_assert(CollectiveBackend<Mpi>);

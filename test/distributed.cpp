@@ -302,10 +302,11 @@ struct ZeroNetImpl : NetImpl {
 /// mean over the window of `accumulate` batches, the gradients clipped to a total norm of `clip` before each step;
 /// batch `ZeroNetImpl::kSkipped` (the last of its window) is skipped, and with it that window's step; so is the step
 /// of epoch 0's batch `skip_step_at`.
+template <class Module = ZeroNetImpl>
 torch::Tensor zero_reference(int world, int64_t n, int epochs, int accumulate, double clip, bool adam,
                              int64_t skip_step_at = -1) {
   auto [x, y] = data(n);
-  ZeroNetImpl net;
+  Module net;
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (adam) {
     opt = std::make_unique<torch::optim::Adam>(net.parameters(), torch::optim::AdamOptions(0.01));
@@ -379,6 +380,135 @@ int zero_scenario(int world, bool adam, bool fused) {
     const int64_t padded = 4 * (18 + 128 + 80 + 2 * world);  // the buckets' lengths, padding included (at most)
     check(Stage == 1 ? grads >= elements * 4 : grads <= padded / world,
           "gradient bytes held: " + std::to_string(grads) + " (stage 1: whole buckets; stage 2: this rank's blocks)");
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// ---- FSDP: the parameters sharded too, gathered unit by unit ---------------------------------------------------------
+
+/// A block of the FSDP net: one unit.
+struct FsdpBlockImpl : torch::nn::Module {
+  torch::nn::Linear fc{nullptr};
+  FsdpBlockImpl(int64_t in, int64_t out) { fc = register_module("fc", torch::nn::Linear(in, out)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    on_forward();
+    return torch::tanh(fc(x));
+  }
+  std::function<void()> on_forward = [] {};
+};
+TORCH_MODULE(FsdpBlock);
+
+/// 4 -> 10 (root) -> 7 -> 9 -> 5 -> 11 -> 6 (five units: 77, 72, 50, 66 and 72 elements) -> 1 (root: 57 elements with
+/// the first layer), so that units do not divide by 2, 3 or 4 ranks; training_step as ZeroNetImpl's (batch 2 of each
+/// epoch returns no loss). Each block, as it runs, counts the blocks whose parameters hold storage (gathered).
+struct FsdpNetImpl : torch::nn::Module {
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::ModuleList blocks;
+  volt::ActivationCheckpointing which;
+  int64_t most_gathered = 0;  // the most blocks gathered at once while one ran forward with gradients, once laid out
+  bool laid_out = false;      // set between steps once the first optimizer step was taken
+  FsdpNetImpl() {
+    torch::manual_seed(5);
+    in = register_module("in", torch::nn::Linear(4, 10));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    const int64_t widths[] = {10, 7, 9, 5, 11, 6};
+    for (int i = 0; i < 5; ++i) {
+      FsdpBlock block(widths[i], widths[i + 1]);
+      block->on_forward = [this] {
+        if (!torch::GradMode::is_enabled() || !laid_out) return;
+        int64_t held = 0;
+        for (const auto& b : *blocks) held += b->parameters().front().storage().nbytes() > 0 ? 1 : 0;
+        most_gathered = std::max(most_gathered, held);
+      };
+      blocks->push_back(block);
+    }
+    head = register_module("head", torch::nn::Linear(6, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(in(x));
+    h = volt::forward_blocks<FsdpBlockImpl>(blocks, h, volt::Units{}, which);
+    return head(h);
+  }
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    if (ctx.batch_idx() == ZeroNetImpl::kSkipped) return {};
+    auto loss = (forward(batch.data) - batch.target).pow(2).mean();
+    ctx.log("loss", loss, {.sync_dist = true});
+    return loss;
+  }
+  std::unique_ptr<torch::optim::Optimizer> configure_optimizers() {
+    return std::make_unique<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01));
+  }
+};
+
+/// Between steps (after the first, which runs whole): the bytes of storage the module's parameters hold (every unit and
+/// the root freed: 0) and the optimizer's parameters' (this rank's pieces).
+struct HeldBetweenSteps {
+  std::shared_ptr<int64_t> module_bytes = std::make_shared<int64_t>(0), piece_bytes = std::make_shared<int64_t>(0);
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M& module, const torch::Tensor&, const B&, int64_t) {
+    if (trainer.global_step() < 1) return;
+    module.laid_out = true;
+    for (const auto& p : module.parameters()) *module_bytes = std::max<int64_t>(*module_bytes, p.storage().nbytes());
+    int64_t pieces = 0;
+    for (const auto& group : trainer.optimizer()->param_groups()) {
+      for (const auto& p : group.params()) pieces += p.numel() * p.element_size();
+    }
+    *piece_bytes = std::max(*piece_bytes, pieces);
+  }
+};
+
+/// FSDP on `world` ranks (Adam, accumulation 3, clipping; `reshard` after forward or not; activation checkpointing in
+/// every unit or not) against the one-process loop on the global batches; between steps no parameter holds storage and
+/// each rank's pieces are its share; while a block runs, at most 2 blocks are gathered (its own and the next one's,
+/// started ahead) where units are freed after forward.
+template <class L>
+int fsdp_scenario(int world, bool reshard, bool checkpointing) {
+  const int64_t n = 96;
+  const int epochs = 2, accumulate = 3;
+  const double clip = 0.05;
+  auto [x, y] = data(n);
+  FsdpNetImpl net;
+  net.which = volt::ActivationCheckpointing{.every = checkpointing ? 1u : 0u};
+  HeldBetweenSteps held;
+  auto trainer = volt::make_trainer<volt::FSDP<L, volt::Mpi>>(
+      {.devices = world / g_nodes, .num_nodes = g_nodes, .max_epochs = epochs, .accumulate_grad_batches = accumulate,
+       .gradient_clip_val = clip}, held);
+  trainer.strategy().set_reshard_after_forward(reshard);
+  volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
+  trainer.fit(net, loader);
+  const std::string what = std::string("FSDP on ") + std::to_string(world) + " ranks (reshard_after_forward " +
+                           (reshard ? "on" : "off") + (checkpointing ? ", activation checkpointing" : "") + ")";
+  const bool answer_here = std::is_same_v<L, volt::Spawn> || trainer.is_global_zero();
+  if (answer_here) {
+    const torch::Tensor want = zero_reference<FsdpNetImpl>(world, n, epochs, accumulate, clip, /*adam=*/true);
+    const double diff = (flat(net) - want).abs().max().item<double>();
+    std::cout << what << ": max |weights - reference| = " << diff << std::endl;
+    check(torch::allclose(flat(net), want, 1e-5, 1e-6), what + ": weights equal the one-process reference (max diff " +
+                                                            std::to_string(diff) + ")");
+  }
+  if constexpr (std::is_same_v<L, volt::Script>) {
+    const torch::Tensor every = trainer.strategy().all_gather(flat(net));
+    check(torch::equal(std::get<0>(every.min(0)), std::get<0>(every.max(0))), "every rank ends with the same weights");
+    check(*held.module_bytes == 0, "between steps the module's parameters hold " + std::to_string(*held.module_bytes) +
+                                       " bytes of storage at most (want 0: every unit and the root freed)");
+    int64_t elements = 0;
+    for (const auto& p : net.parameters()) elements += p.numel();
+    int64_t padded = 0;  // the buckets' lengths, padded to a multiple of the world size
+    for (int64_t unit : {77, 72, 50, 66, 72, 57}) padded += (unit + world - 1) / world * world;
+    const int64_t pieces =
+        trainer.strategy().all_reduce(torch::tensor({*held.piece_bytes}), volt::Reduce::sum).template item<int64_t>();
+    check(*held.piece_bytes <= 4 * padded / world && pieces == 4 * elements,
+          "this rank's pieces are its share: " + std::to_string(*held.piece_bytes) + " bytes (at most " +
+              std::to_string(4 * padded / world) + "), all ranks' " + std::to_string(pieces) + " of " +
+              std::to_string(4 * elements));
+    const int64_t most = reshard ? 2 : 5;
+    check(net.most_gathered <= most && net.most_gathered >= 1,
+          what + ": at most " + std::to_string(most) + " blocks gathered while one ran (saw " +
+              std::to_string(net.most_gathered) + ")");
+    const auto mine = static_cast<int64_t>(volt::detail::optimizer_state_bytes(*trainer.optimizer()));
+    const int64_t all = trainer.strategy().all_reduce(torch::tensor({mine}), volt::Reduce::sum).template item<int64_t>();
+    check(all == elements * 4 * 2, "the ranks' Adam states add up to one unsharded state (" + std::to_string(all) +
+                                       " bytes, want " + std::to_string(elements * 8) + ")");
   }
   return failures == 0 ? 0 : 1;
 }
@@ -1496,6 +1626,14 @@ const Mode kModes[] = {
        }
        return spawn_given(a) ? zero_scenario<2, volt::Spawn>(world, adam, fused)
                              : zero_scenario<2, volt::Script>(world, adam, fused);
+     }},
+    {"fsdp", "<script|spawn> world reshard|keep [checkpointing]: FSDP against a one-process loop (5 units and a root "
+             "that do not divide by the world size, accumulation 3, clipping)",
+     [](const std::vector<std::string>& a) {
+       const int world = std::stoi(a.at(2));
+       const bool reshard = a.at(3) == "reshard", checkpointing = a.size() > 4 && a.at(4) == "checkpointing";
+       return spawn_given(a) ? fsdp_scenario<volt::Spawn>(world, reshard, checkpointing)
+                             : fsdp_scenario<volt::Script>(world, reshard, checkpointing);
      }},
     {"zero-inf", "stage: ZeRO on 2 ranks, a scaled loss, an inf in one rank's gradients: every rank skips that step",
      [](const std::vector<std::string>& a) { return a.at(1) == "1" ? zero_inf_scenario<1>() : zero_inf_scenario<2>(); }},

@@ -8,6 +8,7 @@
 ///   x = volt::activation_checkpoint(block, x);                      // a module holder: block->forward(x)
 ///   auto [q, k] = volt::activation_checkpoint([&](const at::Tensor& h) { return std::tuple(wq(h), wk(h)); }, x);
 ///   x = volt::forward_blocks<Block>(blocks, x, volt::ActivationCheckpointing{.every = 2});  // every 2nd of a list
+///   x = volt::forward_blocks<Block>(blocks, x, volt::Units{}, volt::ActivationCheckpointing{.every = 1});  // + FSDP units
 /// \endcode
 ///
 /// | what | how |
@@ -33,6 +34,7 @@
 /// Not for use inside a step captured by graph mode (`Graphed<GPU>`): the generator states are read on the host.
 
 #include "volt/detail/torch_compat.hpp"
+#include "volt/units.hpp"
 
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/grad_mode.h>
@@ -435,11 +437,12 @@ struct ActivationCheckpointing {
   bool applies(std::size_t index) const { return every != 0 && index % every == 0; }
 };
 
-/// Runs `x` through every block of `blocks` in order (`Block` each block's type: `blocks[i]->as<Block>()`), the ones
-/// `which` names under `activation_checkpoint`; `extra` is passed to every block after `x` (a mask, say).
+namespace detail {
+/// `forward_blocks`' loop: each block under `activation_checkpoint` where `which` says, and as one unit of a fully
+/// sharded strategy where `units` (volt/units.hpp).
 template <class Block, class... Extra>
-at::Tensor forward_blocks(const torch::nn::ModuleList& blocks, at::Tensor x, ActivationCheckpointing which,
-                          const Extra&... extra) {
+at::Tensor run_blocks(const torch::nn::ModuleList& blocks, at::Tensor x, bool units, ActivationCheckpointing which,
+                      const Extra&... extra) {
   for (std::size_t i = 0; i < blocks->size(); ++i) {
     Block* block = blocks->ptr(i)->template as<Block>();
     if (block == nullptr) {
@@ -447,19 +450,50 @@ at::Tensor forward_blocks(const torch::nn::ModuleList& blocks, at::Tensor x, Act
                                   blocks->ptr(i)->name() + ", not the block type given (" +
                                   c10::demangle_type<Block>() + ").");
     }
-    x = which.applies(i) ? activation_checkpoint(*block, x, extra...) : block->forward(x, extra...);
+    auto run = [&]() -> at::Tensor {
+      return which.applies(i) ? activation_checkpoint(*block, x, extra...) : block->forward(x, extra...);
+    };
+    x = units ? in_unit(*block, run) : run();
   }
   return x;
+}
+/// The same over a `torch::nn::Sequential` whose modules each take and return one tensor.
+inline at::Tensor run_blocks(torch::nn::Sequential blocks, at::Tensor x, bool units, ActivationCheckpointing which) {
+  std::size_t i = 0;
+  for (torch::nn::AnyModule& m : *blocks) {
+    auto run = [&]() -> at::Tensor {
+      return which.applies(i) ? activation_checkpoint([&m](const at::Tensor& in) { return m.forward(in); }, x)
+                              : m.forward(x);
+    };
+    x = units ? in_unit(*m.ptr(), run) : run();
+    ++i;
+  }
+  return x;
+}
+}  // namespace detail
+
+/// Runs `x` through every block of `blocks` in order (`Block` each block's type: `blocks[i]->as<Block>()`), the ones
+/// `which` names under `activation_checkpoint`; `extra` is passed to every block after `x` (a mask, say).
+template <class Block, class... Extra>
+at::Tensor forward_blocks(const torch::nn::ModuleList& blocks, at::Tensor x, ActivationCheckpointing which,
+                          const Extra&... extra) {
+  return detail::run_blocks<Block>(blocks, std::move(x), false, which, extra...);
+}
+
+/// The same with each block one unit of a fully sharded strategy (volt/units.hpp; a plain call under any other).
+template <class Block, class... Extra>
+at::Tensor forward_blocks(const torch::nn::ModuleList& blocks, at::Tensor x, Units /*each_block*/,
+                          ActivationCheckpointing which = {}, const Extra&... extra) {
+  return detail::run_blocks<Block>(blocks, std::move(x), true, which, extra...);
 }
 
 /// The same over a `torch::nn::Sequential` whose modules each take and return one tensor.
 inline at::Tensor forward_blocks(torch::nn::Sequential blocks, at::Tensor x, ActivationCheckpointing which) {
-  std::size_t i = 0;
-  for (torch::nn::AnyModule& m : *blocks) {
-    x = which.applies(i++) ? activation_checkpoint([&m](const at::Tensor& in) { return m.forward(in); }, x)
-                           : m.forward(x);
-  }
-  return x;
+  return detail::run_blocks(std::move(blocks), std::move(x), false, which);
+}
+inline at::Tensor forward_blocks(torch::nn::Sequential blocks, at::Tensor x, Units /*each_block*/,
+                                 ActivationCheckpointing which = {}) {
+  return detail::run_blocks(std::move(blocks), std::move(x), true, which);
 }
 
 }  // namespace volt

@@ -29,6 +29,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -71,7 +72,16 @@ struct StepParts {
   decltype(auto) training_step(Impl& module, Context& ctx, B& b) {
     RECORD_USER_SCOPE("volt::training_step");  // a range in a profiler's trace (callbacks/profiler.hpp)
     [[maybe_unused]] auto autocast = precision.forward_context(accelerator_type::device_type);
-    return run_module_step(state, "training_step", [&]() -> decltype(auto) { return module.training_step(b, ctx); });
+    return run_module_step(state, "training_step", [&]() -> decltype(auto) {
+      ForwardScope scope = strategy.forward_scope(Stage::train);
+      if constexpr (std::is_same_v<decltype(module.training_step(b, ctx)), torch::Tensor>) {
+        torch::Tensor loss = module.training_step(b, ctx);
+        if (!loss.defined()) scope.no_backward();  // a skipped batch
+        return loss;
+      } else {
+        return module.training_step(b, ctx);
+      }
+    });
   }
 
   /// The backward sequence (see the file comment) for `loss`; `sync`: the strategy synchronises the gradients (the

@@ -36,6 +36,8 @@
 /// | `optimizer_step(Precision&, torch::optim::Optimizer&) -> bool` | the precision's step, and what follows it (ZeRO: the all-gather) |
 /// | `optimizer_state(torch::optim::Optimizer&) -> at::Tensor` | collective: the optimizer's archive for rank zero's checkpoint (empty elsewhere) |
 /// | `load_optimizer_state(torch::optim::Optimizer&, const at::Tensor&, path)` | loads such an archive (refused, unchanged, when it does not fit) |
+/// | `forward_scope(Stage) -> ForwardScope` | held around each call of a step that runs the module's forward (training_step, validation_step, ...): FSDP gathers the root unit there |
+/// | `finish_fit()` | after a fit that completed, before teardown (FSDP gathers the parameters back into the module) |
 /// | `teardown()` | after a fit, also one that failed (validate, test and predict have none: they change nothing a fit set up) |
 ///
 /// Writing your own: derive from `StrategyDefaults` (a world of one with no gradient work: its collectives
@@ -55,10 +57,34 @@
 #include <torch/types.h>
 
 #include <concepts>
+#include <exception>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace volt {
+
+/// What a strategy does when a forward of the module ends (`Strategy::forward_scope`): `leave(backward_follows)`,
+/// unless the forward ended with an exception (whose own message says more). A training step that returned no loss
+/// says so (`no_backward`): nothing it gathered for backward is kept.
+class ForwardScope {
+ public:
+  ForwardScope() = default;
+  explicit ForwardScope(std::function<void(bool)> leave)
+      : leave_(std::move(leave)), exceptions_(std::uncaught_exceptions()) {}
+  ForwardScope(const ForwardScope&) = delete;
+  ForwardScope& operator=(const ForwardScope&) = delete;
+  ~ForwardScope() noexcept(false) {
+    if (leave_ && std::uncaught_exceptions() == exceptions_) leave_(backward_follows_);
+  }
+  void no_backward() { backward_follows_ = false; }
+
+ private:
+  std::function<void(bool)> leave_;
+  int exceptions_ = 0;
+  bool backward_follows_ = true;
+};
 
 namespace detail {
 /// A run body for the concept's probes.
@@ -108,6 +134,8 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
   s.clip_gradients(std::vector<at::Tensor>{}, 1.0, ClipAlgorithm::norm);
   { s.optimizer_state(optimizer) } -> std::convertible_to<at::Tensor>;
   s.load_optimizer_state(optimizer, t, std::string());
+  { s.forward_scope(Stage::train) } -> std::same_as<ForwardScope>;
+  s.finish_fit();
   s.teardown();
 };
 
@@ -158,6 +186,9 @@ struct StrategyDefaults {
   void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& bytes, const std::string& path) {
     checkpoint::load_optimizer_state(optimizer, bytes, path);
   }
+  /// A forward needs nothing of a strategy whose ranks hold every parameter.
+  ForwardScope forward_scope(Stage /*stage*/) { return ForwardScope(); }
+  void finish_fit() {}
   void teardown() {}
 };
 

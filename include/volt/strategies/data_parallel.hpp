@@ -109,7 +109,40 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& bytes, const std::string& path) {
     holder_.load_optimizer_state(*this, optimizer, bytes, path);
   }
+  /// FSDP: the root unit gathered for the forward (the layout's `forward_scope`); nothing for the other layouts.
+  ForwardScope forward_scope(Stage stage) {
+    if constexpr (requires { holder_.forward_scope(*this, stage); }) {
+      return holder_.forward_scope(*this, stage);
+    } else {
+      return ForwardScope();
+    }
+  }
+  /// FSDP: the parameters gathered back into the module, so that it is whole on every rank after the fit.
+  void finish_fit() {
+    if constexpr (requires { holder_.finish_fit(*this); }) holder_.finish_fit(*this);
+  }
   void teardown() { holder_.teardown(); }
+
+  /// FSDP: whether a unit's parameters are freed after its forward (default) or kept until its backward (more memory,
+  /// one all-gather fewer per unit and step). Takes effect at the next fit.
+  void set_reshard_after_forward(bool reshard) { reshard_after_forward_ = reshard; }
+  bool reshard_after_forward() const { return reshard_after_forward_; }
+  /// FSDP: the module's whole state gathered unit by unit, on rank zero (elsewhere empty).
+  c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device) {
+    if constexpr (requires { holder_.module_state(*this, module, on_device); }) {
+      return holder_.module_state(*this, module, on_device);
+    } else {
+      return detail::ProcessGroupStrategy<L, B>::module_state(module, on_device);
+    }
+  }
+  /// FSDP: each rank keeps its shard of the whole state given.
+  void load_module_state(torch::nn::Module& module, const checkpoint::Dict& state) {
+    if constexpr (requires { holder_.load_module_state(*this, module, state); }) {
+      holder_.load_module_state(*this, module, state);
+    } else {
+      detail::ProcessGroupStrategy<L, B>::load_module_state(module, state);
+    }
+  }
 
   /// Bytes of gradients this rank holds between steps, during a fit: the module's `.grad` and the layout's buffers;
   /// not the optimizer's state.
@@ -130,6 +163,7 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   typename Layout::template Holder<B> holder_;
   std::size_t first_bucket_bytes_ = detail::kFirstBucketBytes;
   std::size_t bucket_bytes_ = detail::kBucketBytes;
+  bool reshard_after_forward_ = true;
   bool warned_ = false;
 };
 

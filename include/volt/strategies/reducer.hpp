@@ -105,6 +105,16 @@ class Reducer {
         cap_(bucket_bytes), sync_(sync), hooks_(params_.size()) {
     adopt();
   }
+  /// Buckets given, not sized: `groups` are each bucket's parameter indices in fill order (a fully sharded strategy's
+  /// units); every parameter of a group must require gradients.
+  Reducer(std::vector<torch::Tensor> params, Backend& backend, int world_size,
+          std::vector<std::vector<std::size_t>> groups, GradSync sync)
+      : params_(std::move(params)), backend_(&backend), world_size_(world_size), first_cap_(kFirstBucketBytes),
+        cap_(kBucketBytes), sync_(sync), groups_(std::move(groups)), hooks_(params_.size()) {
+    adopt();
+  }
+  /// Calls `f(bucket)` once a synchronised backward's bucket has every gradient it waits for (its collective started).
+  void on_bucket_ready(std::function<void(std::size_t)> f) { on_ready_ = std::move(f); }
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
   ~Reducer() {
@@ -134,7 +144,7 @@ class Reducer {
   void prepare(bool sync) {
     adopt();
     armed_ = sync;
-    if (!armed_) return;
+    if (!armed_ && !on_ready_) return;  // (a bucket's readiness is still told where asked: FSDP frees its unit then)
     next_launch_ = 0;
     in_flight_.clear();
     for (auto& b : buckets_) {
@@ -228,6 +238,7 @@ class Reducer {
     offset_ = 0;
     bucket_of_.assign(params_.size(), 0);
     slot_of_.assign(params_.size(), 0);
+    if (!groups_.empty()) return build_given_buckets();
     Bucket* open = nullptr;
     std::size_t open_bytes = 0;
     for (std::size_t j = params_.size(); j-- > 0;) {
@@ -258,6 +269,29 @@ class Reducer {
     if (open != nullptr) close_bucket(*open);
   }
 
+  /// One bucket per group of `groups_`, in their order.
+  void build_given_buckets() {
+    for (const auto& group : groups_) {
+      buckets_.push_back(Bucket{});
+      Bucket& b = buckets_.back();
+      b.options = params_[group.front()].options().requires_grad(false);
+      offset_ = 0;
+      for (std::size_t j : group) {
+        if (!hooks_[j].accumulator) {
+          throw std::logic_error("volt: parameter " + std::to_string(j) + " of a unit requires no gradient.");
+        }
+        bucket_of_[j] = buckets_.size() - 1;
+        slot_of_[j] = b.members.size();
+        b.members.push_back(j);
+        b.offsets.push_back(offset_);
+        b.arrived.push_back(0);
+        b.taking_part.push_back(1);
+        offset_ += params_[j].numel();
+      }
+      close_bucket(b);
+    }
+  }
+
   /// The open bucket's length once its members are known (padded for a reduce-scatter), its buffer (to blocks: its
   /// block; the buffer is made as gradients arrive).
   void close_bucket(Bucket& b) {
@@ -284,7 +318,7 @@ class Reducer {
 
   /// After parameter `i`'s accumulator ran: its `.grad` (the accumulated gradient) goes into the bucket, averaged.
   void on_grad(std::size_t i) {
-    if (!armed_) return;
+    if (!armed_) return on_local_grad(i);
     Bucket& b = buckets_[bucket_of_[i]];
     const std::size_t k = slot_of_[i];
     // A parameter frozen after the forward that used it still has its accumulator run (which then adds nothing to
@@ -304,7 +338,19 @@ class Reducer {
     if (--b.pending == 0) {
       b.ready = true;
       launch_ready();
+      if (on_ready_) on_ready_(bucket_of_[i]);
     }
+  }
+
+  /// A backward that only accumulates: parameter `i`'s gradient stays in `.grad`; its bucket is told ready (on_ready_)
+  /// once every gradient it counts arrived.
+  void on_local_grad(std::size_t i) {
+    if (!on_ready_) return;
+    Bucket& b = buckets_[bucket_of_[i]];
+    const std::size_t k = slot_of_[i];
+    if (b.arrived[k] || !b.taking_part[k]) return;
+    b.arrived[k] = 1;
+    if (--b.pending == 0) on_ready_(bucket_of_[i]);
   }
 
   /// Starts every ready bucket whose predecessors have started: the same order on every rank. Reduce-scatters: with
@@ -330,6 +376,8 @@ class Reducer {
   int world_size_;
   std::size_t first_cap_, cap_;
   GradSync sync_;
+  std::vector<std::vector<std::size_t>> groups_;  // the buckets, where given
+  std::function<void(std::size_t)> on_ready_;
   std::vector<Bucket> buckets_;
   std::vector<torch::Tensor> blocks_;    // to blocks: this rank's block of each bucket
   std::vector<std::size_t> in_flight_;  // buckets started and not yet completed, oldest first

@@ -29,6 +29,16 @@ inline at::Tensor alias(const at::Tensor& flat, int64_t offset, int64_t numel) {
   return torch::empty({0}, flat.options()).set_(flat.storage(), flat.storage_offset() + offset, {numel}, {1});
 }
 
+/// `t`'s storage given `nbytes` bytes (0: freed), in place: every tensor that shares it (views, the parameters laid
+/// out in it, autograd's saved tensors) sees the new bytes, as FSDP2 frees and remakes its unsharded parameters.
+inline void resize_storage(const at::Tensor& t, std::size_t nbytes) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == nbytes) return;
+  at::DataPtr data = nbytes == 0 ? at::DataPtr(nullptr, t.device()) : storage->allocator()->allocate(nbytes);
+  storage->set_data_ptr_noswap(std::move(data));
+  storage->set_nbytes(nbytes);
+}
+
 /// The elements of one parameter that fall in this rank's block of its bucket: what the sharded optimizer steps.
 struct ShardPiece {
   std::size_t param = 0;       // index among the module's parameters
@@ -43,9 +53,12 @@ struct ShardPiece {
 /// The module's parameters laid out in the reducer's buckets, and this rank's pieces of them.
 class ShardLayout {
  public:
-  /// Copies every bucket's parameters into one flat buffer and makes each parameter a view into it.
+  /// Copies every bucket's parameters into one flat buffer and makes each parameter a view into it. `apart` (stage 3):
+  /// this rank's block of each bucket is copied out into a shard of its own, which the pieces share, so that the
+  /// bucket's storage can be freed between uses (`free`, `fill`).
   template <class Bucket>
-  ShardLayout(const std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params, int rank, int world)
+  ShardLayout(const std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params, int rank, int world,
+              bool apart = false)
       : rank_(rank), world_(world), locations_(params.size()) {
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < buckets.size(); ++i) {
@@ -57,7 +70,13 @@ class ShardLayout {
         view.copy_(p.detach().reshape(-1));
         p.set_data(view.view(p.sizes()));
         locations_[b.members[k]] = Location{i, b.offsets[k], true};
-        add_piece(i, k, b.members[k], b.offsets[k], p.numel(), flat, Blocks{b.numel, world});
+      }
+      const Blocks blocks{b.numel, world};
+      if (apart) shards_.push_back(flat.narrow(0, blocks.start(rank), blocks.size()).clone());
+      const at::Tensor& base = apart ? shards_.back() : flat;
+      const int64_t base_start = apart ? blocks.start(rank) : 0;
+      for (std::size_t k = 0; k < b.members.size(); ++k) {
+        add_piece(i, k, b.members[k], b.offsets[k], params[b.members[k]].numel(), base, base_start, blocks);
       }
       flats_.push_back(std::move(flat));
     }
@@ -79,13 +98,28 @@ class ShardLayout {
       const Location& where = locations_[j];
       if (!where.laid_out) continue;
       const at::Tensor& flat = flats_[where.bucket];
-      const auto* want = static_cast<const char*>(flat.data_ptr()) + where.offset * flat.element_size();
-      if (params[j].data_ptr() != want) {
+      if (!params[j].defined() || !params[j].has_storage() ||
+          params[j].storage().unsafeGetStorageImpl() != flat.storage().unsafeGetStorageImpl() ||
+          params[j].storage_offset() != flat.storage_offset() + where.offset) {
         throw ConfigError("volt: parameter " + std::to_string(j) + " was moved, cast or replaced during a ZeRO fit "
                           "(module.to(), set_data): ZeRO lays the parameters out at the fit's start and steps them "
                           "there; place and cast the module before fit.");
       }
     }
+  }
+  /// Stage 3 (`apart`): this rank's block of every bucket, which the pieces share.
+  const std::vector<at::Tensor>& shards() const { return shards_; }
+  /// Stage 3: whether bucket `bucket` holds its storage (gathered, or being gathered).
+  bool holds(std::size_t bucket) const { return flats_[bucket].storage().nbytes() > 0; }
+  /// Stage 3: bucket `bucket`'s storage freed; the parameters and autograd's saved views of them keep pointing at it.
+  void free(std::size_t bucket) { resize_storage(flats_[bucket], 0); }
+  /// Stage 3: bucket `bucket`'s storage made again and this rank's shard put in its block (an in-place all-gather of
+  /// the bucket then fills the rest).
+  void fill(std::size_t bucket) {
+    const at::Tensor& flat = flats_[bucket];
+    resize_storage(flat, static_cast<std::size_t>(flat.numel()) * flat.element_size());
+    torch::NoGradGuard no_grad;
+    block_of(flat, rank_, world_).copy_(shards_[bucket]);
   }
   /// Where parameter `param` lies: its bucket and offset, if it was laid out (it required gradients at the fit's start).
   struct Location {
@@ -96,17 +130,20 @@ class ShardLayout {
   const Location& location(std::size_t param) const { return locations_[param]; }
 
  private:
+  /// The piece of parameter `param` (at `offset` in bucket `bucket`) in this rank's block, if any, sharing `base`,
+  /// which holds the bucket's elements from `base_start` on.
   void add_piece(std::size_t bucket, std::size_t slot, std::size_t param, int64_t offset, int64_t numel,
-                 const at::Tensor& flat, const Blocks& blocks) {
+                 const at::Tensor& base, int64_t base_start, const Blocks& blocks) {
     const int64_t lo = std::max(offset, blocks.start(rank_)), hi = std::min(offset + numel, blocks.end(rank_));
     if (lo >= hi) return;
     piece_index_[param] = pieces_.size();
-    pieces_.push_back(ShardPiece{param, bucket, slot, lo - offset, lo, hi - lo, alias(flat, lo, hi - lo)});
+    pieces_.push_back(ShardPiece{param, bucket, slot, lo - offset, lo, hi - lo, alias(base, lo - base_start, hi - lo)});
   }
 
   int rank_, world_;
   std::vector<Location> locations_;
   std::vector<at::Tensor> flats_;
+  std::vector<at::Tensor> shards_;  // stage 3
   std::vector<ShardPiece> pieces_;
   std::unordered_map<std::size_t, std::size_t> piece_index_;
 };

@@ -18,8 +18,10 @@
 #include "volt/optim/gradients.hpp"
 #include "volt/options.hpp"
 #include "volt/reduce.hpp"
+#include "volt/strategies/fully_sharded.hpp"
 #include "volt/strategies/reducer.hpp"
 #include "volt/strategies/shard_layout.hpp"
+#include "volt/strategies/concept.hpp"
 #include "volt/strategies/zero_state.hpp"
 
 #include <torch/optim/optimizer.h>
@@ -58,6 +60,14 @@ class ShardedHolder {
     }
     params_ = g.module_parameters();
     const auto [first, others] = g.bucket_bytes();
+    if constexpr (Stage == 3) {  // the first step runs whole, as DDP, and records the units (lay_out)
+      reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), first, others);
+      units_ = std::make_unique<UnitScheduler<B>>(g.backend(), g.reshard_after_forward());
+      std::vector<std::vector<at::Tensor>> full;
+      for (auto& group : optimizer.param_groups()) full.push_back(group.params());
+      full_params_[&optimizer] = std::move(full);
+      return;
+    }
     reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), first, others,
                                             Stage == 1 ? GradSync::reduce_scatter : GradSync::reduce_scatter_to_blocks);
     shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size());
@@ -78,15 +88,19 @@ class ShardedHolder {
 
   template <class G>
   void pre_backward(G& /*strategy*/, bool sync) {
-    if (!shards_) throw std::logic_error("volt: ZeRO's backward ran before setup_optimizer laid the parameters out.");
-    if (sync) shards_->check_aliasing(params_);
+    if (!reducer_) throw std::logic_error("volt: ZeRO's backward ran before setup_optimizer laid the parameters out.");
+    if (units_) units_->begin_backward();
+    if (sync && shards_) shards_->check_aliasing(params_);
     synced_ = sync;
     reducer_->prepare(sync);
   }
-  /// After a synchronised backward: the pieces' gradients are this rank's averaged blocks.
+  /// After a synchronised backward: the pieces' gradients are this rank's averaged blocks (stage 3's first step: the
+  /// module's `.grad`, averaged whole).
   template <class G>
   void post_backward(G& /*strategy*/) {
     reducer_->finish();
+    if (units_) units_->end_backward();
+    if (!shards_) synced_ = false;
     if (!synced_) return;
     synced_ = false;
     const auto& buckets = reducer_->buckets();
@@ -95,7 +109,7 @@ class ShardedHolder {
       at::Tensor& grad = piece.tensor.mutable_grad();
       if (!b.taking_part[piece.slot]) {
         grad = at::Tensor();
-      } else if constexpr (Stage == 2) {
+      } else if constexpr (Stage >= 2) {
         grad = alias(reducer_->blocks()[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket),
                      piece.numel);
       } else {
@@ -108,7 +122,8 @@ class ShardedHolder {
   /// every rank's pieces (the module's parameters, given, hold no gradients between a synchronised backward and the
   /// step).
   template <class G>
-  void clip_gradients(G& g, const std::vector<at::Tensor>& /*module_params*/, double value, ClipAlgorithm algorithm) {
+  void clip_gradients(G& g, const std::vector<at::Tensor>& module_params, double value, ClipAlgorithm algorithm) {
+    if (!shards_) return detail::clip_gradients(module_params, value, algorithm);  // stage 3's first step: whole
     std::vector<at::Tensor> pieces;
     for (const ShardPiece& piece : shards_->pieces()) pieces.push_back(piece.tensor);
     detail::clip_gradients(pieces, value, algorithm, NormOverRanks<G>{&g});
@@ -117,11 +132,42 @@ class ShardedHolder {
   /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.
   template <class G, class P>
   bool optimizer_step(G& g, P& precision, torch::optim::Optimizer& optimizer) {
+    if constexpr (Stage == 3) {
+      if (!shards_) lay_out(g, optimizer);
+    }
     precision.agree_found_inf(optimizer, [&](at::Tensor& found) { g.backend().all_reduce_(found, Reduce::max); });
     const bool stepped = precision.optimizer_step(optimizer);
-    if (stepped) gather_parameters(g);
+    if (stepped && Stage < 3) gather_parameters(g);  // stage 3: each unit is gathered where it runs
     return stepped;
   }
+
+  /// Stage 3: the root unit gathered for a forward (the units as they run: strategies/fully_sharded.hpp).
+  template <class G>
+  ForwardScope forward_scope(G& /*strategy*/, volt::Stage stage) {
+    if (!units_) return ForwardScope();
+    units_->begin_forward(stage);
+    return ForwardScope([units = units_.get()](bool backward_follows) { units->end_forward(backward_follows); });
+  }
+  /// Stage 3, after a fit that completed: every unit gathered back into the module's parameters, which become tensors
+  /// of their own again (the pieces keep the optimizer's state, for a save after the fit).
+  template <class G>
+  void finish_fit(G& /*strategy*/) {
+    if (!units_ || !shards_) return;
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
+      units_->gather(i);
+      for (std::size_t j : reducer_->buckets()[i].members) params_[j].set_data(params_[j].detach().clone());
+      units_->release(i);
+    }
+    units_.reset();
+    whole_ = true;
+  }
+  /// Stage 3: the module's state gathered unit by unit onto rank zero (empty elsewhere); whole after the fit.
+  template <class G>
+  c10::Dict<std::string, at::Tensor> module_state(G& g, const torch::nn::Module& module, bool on_device);
+  /// Stage 3: each rank's shards cut from the whole state `state` (its buffers and unsharded parameters copied).
+  template <class G>
+  void load_module_state(G& g, torch::nn::Module& module, const checkpoint::Dict& state);
 
   /// Collective: the optimizer's state in the layout of an unsharded run, as bytes on rank zero (empty elsewhere).
   template <class G>
@@ -146,7 +192,9 @@ class ShardedHolder {
 
   /// After a run: the gradient hooks stay until the next fit's layout, with the pieces the optimizer holds (a save
   /// after the fit gathers them); the bucket layout stays readable.
-  void teardown() {}
+  void teardown() {
+    if constexpr (Stage == 3) units_.reset();  // after a failed fit: no more gathers where units run
+  }
   /// Bytes of gradients this rank holds between steps: the module's `.grad`, the buckets' buffers and the blocks.
   std::size_t gradient_bytes() const { return reducer_ ? reducer_->gradient_bytes() : 0; }
   std::vector<std::vector<std::size_t>> bucket_layout() const {
@@ -158,10 +206,14 @@ class ShardedHolder {
   using Lists = std::vector<std::vector<at::Tensor>>;
 
   void drop_layout() {
+    units_.reset();
     reducer_.reset();
     shards_.reset();
     full_params_.clear();
+    whole_ = false;
   }
+  template <class G>
+  void lay_out(G& g, torch::optim::Optimizer& optimizer);
   /// `params` with each laid-out module parameter replaced by this rank's piece of it (none: left out); a tensor that
   /// is not laid out (frozen at the fit's start, or not the module's) stays as it is, stepped whole on every rank.
   std::vector<at::Tensor> pieces_for(const std::vector<at::Tensor>& params) const {
@@ -251,7 +303,9 @@ class ShardedHolder {
   std::unique_ptr<Reducer<B>> reducer_;
   std::unique_ptr<ShardLayout> shards_;
   std::unordered_map<const torch::optim::Optimizer*, Lists> full_params_;
+  std::unique_ptr<UnitScheduler<B>> units_;  // stage 3, during a fit
   bool synced_ = false;
+  bool whole_ = false;  // stage 3: the parameters were gathered back after the fit
 };
 
 /// Every rank's pieces of each state tensor, gathered one bucket at a time into flat buffers laid out as the
@@ -384,15 +438,101 @@ auto ShardedHolder<Stage, B>::cut_states(torch::optim::Optimizer& optimizer, con
   return cut;
 }
 
+/// Stage 3, before the first optimizer step of a fit: the units the first step recorded become the buckets; the
+/// parameters are laid out in them, each rank keeping its shards; the first step's gradients (averaged whole, in the
+/// module's `.grad`) are cut into the pieces'; the optimizer is given the pieces, with its state cut likewise where a
+/// resume loaded one; every bucket's storage is freed.
+template <int Stage, class B>
+template <class G>
+void ShardedHolder<Stage, B>::lay_out(G& g, torch::optim::Optimizer& optimizer) {
+  auto groups = units_->groups(params_, [&](int64_t mine) {
+    const at::Tensor both = g.all_reduce(torch::tensor({mine, -mine}, torch::kLong), Reduce::max).cpu();
+    return std::pair<int64_t, int64_t>(-both[1].template item<int64_t>(), both[0].template item<int64_t>());
+  });
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  reducer_.reset();  // the first step's hooks off before the parameters move
+  reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), std::move(groups),
+                                          GradSync::reduce_scatter_to_blocks);
+  reducer_->on_bucket_ready([units = units_.get()](std::size_t bucket) { units->bucket_done(bucket); });
+  shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size(), /*apart=*/true);
+  torch::NoGradGuard no_grad;
+  for (const ShardPiece& piece : shards_->pieces()) {
+    const at::Tensor& grad = grads[piece.param];
+    if (grad.defined()) piece.tensor.mutable_grad() = grad.reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
+  }
+  for (std::size_t j = 0; j < params_.size(); ++j) {
+    if (shards_->location(j).laid_out) params_[j].mutable_grad() = at::Tensor();
+  }
+  with_state_codec(optimizer, [&](auto codec) {
+    States cut = optimizer.state().empty() ? States() : cut_states<decltype(codec)>(optimizer, "the resumed state");
+    drop_full_states(optimizer);
+    for (auto& group : optimizer.param_groups()) group.params() = pieces_for(group.params());
+    put_back(optimizer, std::move(cut));
+  });
+  units_->attach(*shards_);
+}
+
+template <int Stage, class B>
+template <class G>
+c10::Dict<std::string, at::Tensor> ShardedHolder<Stage, B>::module_state(G& g, const torch::nn::Module& module,
+                                                                         bool on_device) {
+  if (!shards_ || whole_ || Stage < 3) {
+    return g.is_global_zero() ? checkpoint::module_state(module, on_device) : c10::Dict<std::string, at::Tensor>();
+  }
+  std::vector<at::Tensor> whole(params_.size());
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
+    const bool held = shards_->holds(i);
+    units_->gather(i);
+    for (std::size_t j : reducer_->buckets()[i].members) {
+      if (g.is_global_zero()) whole[j] = on_device ? params_[j].detach().clone() : params_[j].detach().cpu().clone();
+    }
+    if (!held) units_->release(i);
+  }
+  c10::Dict<std::string, at::Tensor> out;
+  if (!g.is_global_zero()) return out;
+  std::size_t j = 0;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    const at::Tensor& t = whole[j++];
+    out.insert(p.key(), t.defined() ? t : (on_device ? p.value().detach() : p.value().detach().cpu()));
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    if (b.value().defined()) out.insert(b.key(), on_device ? b.value().detach() : b.value().detach().cpu());
+  }
+  return out;
+}
+
+template <int Stage, class B>
+template <class G>
+void ShardedHolder<Stage, B>::load_module_state(G& /*strategy*/, torch::nn::Module& module, const checkpoint::Dict& state) {
+  if (!shards_ || whole_ || Stage < 3) return checkpoint::load_module_state(module, state);
+  units_->release_all();
+  torch::NoGradGuard no_grad;
+  std::size_t j = 0;
+  for (auto& p : module.named_parameters(/*recurse=*/true)) {
+    const at::Tensor value = state.at(p.key()).toTensor();
+    if (!shards_->location(j).laid_out) {
+      p.value().copy_(value);
+    } else if (const ShardPiece* piece = shards_->piece_of(j)) {
+      piece->tensor.copy_(value.reshape(-1).narrow(0, piece->param_offset, piece->numel));
+    }
+    ++j;
+  }
+  for (auto& b : module.named_buffers(/*recurse=*/true)) {
+    if (b.value().defined()) b.value().copy_(state.at(b.key()).toTensor());
+  }
+}
+
 }  // namespace detail
 
-/// The optimizer state sharded across ranks (stage 1), and the gradients too (stage 2): ZeRO.
+/// The optimizer state sharded across ranks (stage 1), the gradients too (stage 2), the parameters too (stage 3): ZeRO.
 template <int Stage>
 struct Sharded {
-  static_assert(Stage == 1 || Stage == 2, "volt: ZeRO<Stage, ...> takes stage 1 (the optimizer state sharded) or 2 "
-                                          "(the gradients too); stage 3 (the parameters too) is not there yet.");
+  static_assert(Stage >= 1 && Stage <= 3, "volt: ZeRO<Stage, ...> takes stage 1 (the optimizer state sharded), 2 (the "
+                                          "gradients too) or 3 (the parameters too: FSDP).");
   static constexpr int stage = Stage;
-  static constexpr const char* name = Stage == 1 ? "ZeRO<1>" : "ZeRO<2>";
+  static constexpr const char* name = Stage == 1 ? "ZeRO<1>" : Stage == 2 ? "ZeRO<2>" : "FSDP";
   template <class Backend>
   using Holder = detail::ShardedHolder<Stage, Backend>;
 };

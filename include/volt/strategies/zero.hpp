@@ -41,4 +41,9 @@ namespace volt {
 template <int Stage, class L = Script, class B = AutoBackend>
 using ZeRO = DataParallel<Sharded<Stage>, L, B>;
 
+/// Fully sharded data parallelism: `ZeRO<3>`, the parameters sharded too, gathered unit by unit where the model runs
+/// its units (volt/units.hpp; strategies/fully_sharded.hpp says when each is gathered and freed).
+template <class L = Script, class B = AutoBackend>
+using FSDP = DataParallel<Sharded<3>, L, B>;
+
 }  // namespace volt

@@ -50,7 +50,10 @@ void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, 
       enter_batch(batch, idx);
       hook<typename Kind::batch_start>(module, ctx, batch, idx);
       auto out = run_eval_step(batch, [&](auto& b) {
-        return detail::run_module_step(state_, Kind::step_name, [&] { return Kind::step(module, b, ctx); });
+        return detail::run_module_step(state_, Kind::step_name, [&] {
+          [[maybe_unused]] ForwardScope scope = strategy_.forward_scope(stage);
+          return Kind::step(module, b, ctx);
+        });
       });
       decltype(auto) kept = sink(out);
       hook<typename Kind::batch_end>(module, ctx, kept, batch, idx);

@@ -104,6 +104,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     writer_.wait();  // the fit's last asynchronous save is in place before teardown
     hook<detail::hooks::teardown>(module, ctx, Stage::train);
     flush_loggers();
+    strategy_.finish_fit();
     strategy_.teardown();
   }, [&](std::exception_ptr error) {  // a failure, or a stop signal after its checkpoint: loggers keep their rows
     try {

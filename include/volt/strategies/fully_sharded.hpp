@@ -1,0 +1,324 @@
+#pragma once
+/// \file
+/// What stage 3 of the sharded layout (`FSDP`, `ZeRO<3>`: strategies/zero.hpp) does around the module's forward and
+/// backward: `UnitScheduler` gathers each unit's parameters before the unit runs and frees them after, as FSDP2's
+/// hooks do, driven by the calls volt/units.hpp makes where the model runs its units.
+///
+/// The first training step of a fit runs with the parameters whole, as DDP does, and records which units run in which
+/// order (every rank must agree: one all-reduce of the order's hash); before its optimizer step the parameters are laid
+/// out, one bucket per unit in the reverse of that order (backward's order) and the root unit (what no unit holds)
+/// last, each bucket padded to a multiple of the world size W; rank r keeps block r of each bucket (its shard, which
+/// the optimizer steps), and the bucket's storage is freed. From then on, per step:
+///  - forward: the root is gathered as the step's forward starts (all-gather in place into the bucket); each unit is
+///    gathered as it is entered (or was, ahead: entering unit k starts unit k+1's all-gather, at most
+///    `kBucketsInFlight` gathers travelling) and freed as it is left (`reshard_after_forward`; off: kept to its
+///    backward). A unit that runs out of the recorded order is refused;
+///  - backward: a node on each unit's outputs gathers the unit again before its backward runs and starts the gather
+///    of the unit before it; each unit's gradients are reduce-scattered into this rank's block as its last gradient
+///    arrives (the reducer's buckets are the units), and the unit is freed then; the root and anything still held
+///    are freed when backward ends;
+///  - evaluation (gradients off, or validation): each unit gathered, run and freed; the root for the forward's time.
+/// Freeing resizes the bucket's storage to nothing: the parameters and autograd's saved views of them keep pointing
+/// at it and see the gathered bytes again once it is refilled (FSDP2's rule).
+
+#include "volt/comm/concept.hpp"
+#include "volt/errors.hpp"
+#include "volt/reduce.hpp"
+#include "volt/stage.hpp"
+#include "volt/strategies/reducer.hpp"
+#include "volt/strategies/shard_layout.hpp"
+#include "volt/units.hpp"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace volt::detail {
+
+/// The first act of a unit's backward: `gather` (the unit's parameters gathered again), then the gradients passed on.
+class UnitPreBackward final : public torch::autograd::Node {
+ public:
+  explicit UnitPreBackward(std::function<void()> gather) : gather_(std::move(gather)) {}
+  std::string name() const override { return "volt::UnitPreBackward"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    gather_();
+    return std::move(grads);
+  }
+
+ private:
+  std::function<void()> gather_;
+};
+
+/// Stage 3's runtime over backend `B`: the trace of the first step, then the gathers and frees of every unit.
+template <class B>
+class UnitScheduler final : public UnitRuntime {
+ public:
+  UnitScheduler(B& backend, bool reshard_after_forward)
+      : backend_(&backend), reshard_after_forward_(reshard_after_forward) {
+    unit_runtime() = this;
+  }
+  UnitScheduler(const UnitScheduler&) = delete;
+  UnitScheduler& operator=(const UnitScheduler&) = delete;
+  ~UnitScheduler() override {
+    if (unit_runtime() == this) unit_runtime() = nullptr;
+  }
+
+  /// The buckets of the layout, from the first step's trace: each unit's parameters among `params` (those that require
+  /// gradients, in reverse index order), the units in reverse order of their first run, the root last. Every rank
+  /// must have run the same units in the same order (`agree` all-reduces a hash: max and min).
+  template <class Agree>
+  std::vector<std::vector<std::size_t>> groups(const std::vector<at::Tensor>& params, Agree&& agree) {
+    std::unordered_map<const void*, std::size_t> index;
+    for (std::size_t j = 0; j < params.size(); ++j) index.emplace(params[j].unsafeGetTensorImpl(), j);
+    std::vector<int64_t> claimed(params.size(), -1);
+    std::vector<const torch::nn::Module*> units;
+    std::vector<std::vector<std::size_t>> members;
+    for (const torch::nn::Module* m : trace_) {
+      if (unit_of_module_.count(m) != 0) continue;
+      std::vector<std::size_t> own;
+      for (const at::Tensor& p : m->parameters(/*recurse=*/true)) {
+        const auto it = index.find(p.unsafeGetTensorImpl());
+        if (it == index.end() || !p.requires_grad()) continue;
+        if (claimed[it->second] >= 0) {
+          throw ConfigError("volt: parameter " + std::to_string(it->second) + " belongs to two units (a " +
+                            units[static_cast<std::size_t>(claimed[it->second])]->name() + " and a " + m->name() +
+                            "): a unit inside another, or a module shared by two; make them one unit.");
+        }
+        claimed[it->second] = static_cast<int64_t>(units.size());
+        own.push_back(it->second);
+      }
+      unit_of_module_[m] = units.size();
+      units.push_back(m);
+      members.push_back(std::move(own));
+    }
+    agree_on_trace(agree);
+    return order_buckets(params, claimed, units, std::move(members));
+  }
+
+  /// The layout made from `groups()`'s buckets: from now on units are gathered and freed.
+  void attach(ShardLayout& layout) {
+    layout_ = &layout;
+    works_.assign(layout.flats().size(), typename B::Work());
+    travelling_.assign(layout.flats().size(), 0);
+    for (std::size_t i = 0; i < layout.flats().size(); ++i) release(i);
+  }
+  bool laid_out() const { return layout_ != nullptr; }
+
+  /// A forward starts (`stage`; training with gradients: the units' order is checked and backward follows).
+  void begin_forward(Stage stage) {
+    training_ = stage == Stage::train && at::GradMode::is_enabled();
+    phase_ = training_ ? Phase::forward : Phase::evaluate;
+    position_ = 0;
+    if (layout_ != nullptr && root_ >= 0) gather(static_cast<std::size_t>(root_));
+  }
+  /// It ended: an evaluation's root is freed, and a training forward's where no backward follows (training keeps it
+  /// to the end of backward).
+  void end_forward(bool backward_follows) {
+    if (phase_ == Phase::forward && !trace_.empty()) trace_done_ = true;  // the first training forward is the trace
+    if (phase_ == Phase::evaluate || !backward_follows) {
+      release_all();
+      phase_ = Phase::idle;
+    }
+  }
+  /// Backward starts: every recorded unit must have run.
+  void begin_backward() {
+    if (layout_ != nullptr && phase_ == Phase::forward && position_ != sequence_.size()) {
+      throw ConfigError("volt: this step's forward ran " + std::to_string(position_) + " units where the fit's first "
+                        "step ran " + std::to_string(sequence_.size()) + "; a fully sharded model runs the same units "
+                        "in every step.");
+    }
+    phase_ = Phase::backward;
+  }
+  /// Backward ended: everything still gathered is freed.
+  void end_backward() {
+    release_all();
+    phase_ = Phase::idle;
+  }
+  /// The reducer's bucket `bucket` has all its gradients: a unit's backward is over, it is freed.
+  void bucket_done(std::size_t bucket) {
+    if (static_cast<int64_t>(bucket) != root_) release(bucket);
+  }
+
+  int64_t enter(const torch::nn::Module& unit) override;
+  void leave(int64_t token, std::vector<at::Tensor>& outputs) override;
+
+  /// Gathers bucket `bucket` (waits for it): its parameters hold every rank's values.
+  void gather(std::size_t bucket) {
+    start(bucket);
+    if (travelling_[bucket]) {
+      travelling_[bucket] = 0;
+      works_[bucket].wait();
+    }
+  }
+  /// Bucket `bucket`'s storage freed (its gather waited for first).
+  void release(std::size_t bucket) {
+    if (travelling_[bucket]) {
+      travelling_[bucket] = 0;
+      works_[bucket].wait();
+    }
+    layout_->free(bucket);
+  }
+  void release_all() {
+    if (layout_ == nullptr) return;
+    for (std::size_t i = 0; i < works_.size(); ++i) release(i);
+  }
+
+ private:
+  enum class Phase { idle, forward, backward, evaluate };
+
+  /// Starts bucket `bucket`'s all-gather unless it holds its storage already.
+  void start(std::size_t bucket) {
+    if (layout_->holds(bucket)) return;
+    layout_->fill(bucket);
+    const BucketTag tag(static_cast<int>(bucket));  // named in the flight recorder
+    works_[bucket] = backend_->iall_gather_(layout_->flats()[bucket]);
+    travelling_[bucket] = 1;
+  }
+  /// Starts bucket `bucket`'s gather ahead of its use when fewer than `kBucketsInFlight` travel.
+  void prefetch(std::size_t bucket) {
+    std::size_t n = 0;
+    for (char t : travelling_) n += t != 0;
+    if (n < kBucketsInFlight) start(bucket);
+  }
+  /// Backward reached the unit entered at `position`: gathered again, the one before it started.
+  void backward_gather(std::size_t position) {
+    gather(sequence_[position]);
+    if (position > 0) prefetch(sequence_[position - 1]);
+  }
+
+  template <class Agree>
+  void agree_on_trace(Agree&& agree) {
+    uint64_t hash = 1469598103934665603ull;
+    for (const torch::nn::Module* m : trace_) {
+      hash = (hash ^ static_cast<uint64_t>(unit_of_module_.at(m) + 1)) * 1099511628211ull;
+    }
+    const int64_t mine = static_cast<int64_t>(hash >> 1);
+    const auto [lo, hi] = agree(mine);
+    if (lo != mine || hi != mine) {
+      throw ConfigError("volt: the ranks ran their units in different orders (or different units) in the fit's first "
+                        "step (this rank ran " + std::to_string(trace_.size()) + " unit calls); a fully sharded "
+                        "model must run the same units in the same order on every rank.");
+    }
+  }
+  std::vector<std::vector<std::size_t>> order_buckets(const std::vector<at::Tensor>& params,
+                                                      const std::vector<int64_t>& claimed,
+                                                      const std::vector<const torch::nn::Module*>& units,
+                                                      std::vector<std::vector<std::size_t>> members);
+
+  B* backend_;
+  bool reshard_after_forward_;
+  ShardLayout* layout_ = nullptr;
+  std::vector<const torch::nn::Module*> trace_;  // the first training forward's unit calls
+  std::unordered_map<const torch::nn::Module*, std::size_t> unit_of_module_;  // module -> unit (trace order)
+  std::unordered_map<const torch::nn::Module*, int64_t> bucket_of_module_;    // module -> bucket (-1: no parameters)
+  std::vector<std::size_t> sequence_;  // the buckets of the trace's calls, in forward order
+  int64_t root_ = -1;
+  std::vector<typename B::Work> works_;
+  std::vector<char> travelling_;
+  Phase phase_ = Phase::idle;
+  bool training_ = false, trace_done_ = false;
+  std::size_t position_ = 0;
+};
+
+/// Units with parameters become buckets in the reverse of their first run, in that order; the root last.
+template <class B>
+std::vector<std::vector<std::size_t>> UnitScheduler<B>::order_buckets(const std::vector<at::Tensor>& params,
+                                                                      const std::vector<int64_t>& claimed,
+                                                                      const std::vector<const torch::nn::Module*>& units,
+                                                                      std::vector<std::vector<std::size_t>> members) {
+  std::vector<std::vector<std::size_t>> groups;
+  std::vector<int64_t> bucket_of_unit(units.size(), -1);
+  for (std::size_t u = units.size(); u-- > 0;) {
+    if (members[u].empty()) continue;
+    std::sort(members[u].rbegin(), members[u].rend());
+    bucket_of_unit[u] = static_cast<int64_t>(groups.size());
+    groups.push_back(std::move(members[u]));
+  }
+  std::vector<std::size_t> root;
+  for (std::size_t j = params.size(); j-- > 0;) {
+    if (claimed[j] < 0 && params[j].requires_grad()) root.push_back(j);
+  }
+  if (!root.empty()) {
+    root_ = static_cast<int64_t>(groups.size());
+    groups.push_back(std::move(root));
+  }
+  for (std::size_t u = 0; u < units.size(); ++u) bucket_of_module_[units[u]] = bucket_of_unit[u];
+  for (const torch::nn::Module* m : trace_) {
+    const int64_t b = bucket_of_module_.at(m);
+    sequence_.push_back(b < 0 ? SIZE_MAX : static_cast<std::size_t>(b));
+  }
+  return groups;
+}
+
+/// Before a unit runs. The token `leave` gets: the unit's position in the step's sequence (training), or -2 - bucket
+/// (evaluation), or -1 (nothing to do: no layout yet, or a unit without parameters).
+template <class B>
+int64_t UnitScheduler<B>::enter(const torch::nn::Module& unit) {
+  if (layout_ == nullptr) {
+    if (phase_ == Phase::forward && !trace_done_ && at::GradMode::is_enabled()) trace_.push_back(&unit);
+    return -1;
+  }
+  const auto it = bucket_of_module_.find(&unit);
+  if (it == bucket_of_module_.end()) {
+    throw ConfigError("volt: a " + unit.name() + " ran as a unit that did not run in the fit's first step; a fully "
+                      "sharded model runs the same units in every step.");
+  }
+  if (phase_ == Phase::forward && at::GradMode::is_enabled()) {
+    if (position_ >= sequence_.size() || sequence_[position_] != (it->second < 0 ? SIZE_MAX : static_cast<std::size_t>(it->second))) {
+      throw ConfigError("volt: a " + unit.name() + " ran as unit call " + std::to_string(position_ + 1) + " of the "
+                        "step, out of the order of the fit's first step (" + std::to_string(sequence_.size()) +
+                        " calls); a fully sharded model runs its units in the same order in every step.");
+    }
+    const std::size_t position = position_++;
+    if (it->second < 0) return -1;
+    gather(static_cast<std::size_t>(it->second));
+    for (std::size_t next = position + 1; next < sequence_.size(); ++next) {
+      if (sequence_[next] == SIZE_MAX) continue;
+      prefetch(sequence_[next]);
+      break;
+    }
+    return static_cast<int64_t>(position);
+  }
+  if (it->second < 0) return -1;
+  gather(static_cast<std::size_t>(it->second));
+  return -2 - it->second;
+}
+
+/// After a unit ran: in training, its outputs' backward gathers it again first; then it is freed (training: where
+/// `reshard_after_forward`; it is kept to its backward otherwise).
+template <class B>
+void UnitScheduler<B>::leave(int64_t token, std::vector<at::Tensor>& outputs) {
+  namespace ag = torch::autograd;
+  if (token == -1) return;
+  if (token <= -2) return release(static_cast<std::size_t>(-2 - token));
+  const auto position = static_cast<std::size_t>(token);
+  ag::edge_list edges;
+  for (const at::Tensor& o : outputs) {
+    if (o.defined() && o.requires_grad()) edges.push_back(ag::impl::gradient_edge(o));
+  }
+  if (!edges.empty()) {
+    std::shared_ptr<UnitPreBackward> node(new UnitPreBackward([this, position] { backward_gather(position); }),
+                                          ag::deleteNode);
+    node->set_next_edges(std::move(edges));
+    for (at::Tensor& o : outputs) {
+      if (!o.defined() || !o.requires_grad()) continue;
+      o = o.detach();
+      ag::set_history(o, node);
+    }
+  }
+  if (reshard_after_forward_) release(sequence_[position]);
+}
+
+}  // namespace volt::detail

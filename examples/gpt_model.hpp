@@ -124,7 +124,7 @@ struct GPTImpl : torch::nn::Module {
                 ")");
     auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
     auto x = drop(wte(idx) + wpe(pos));
-    x = volt::forward_blocks<BlockImpl>(blocks, x, config.checkpointing);
+    x = volt::forward_blocks<BlockImpl>(blocks, x, volt::Units{}, config.checkpointing);  // each block an FSDP unit
     return torch::nn::functional::linear(ln_f(x), wte->weight);  // the head shares the token embedding
   }
 };

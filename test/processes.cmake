@@ -134,6 +134,7 @@ volt_resume_test(resume.two_to_one CORES ${resume_exe} n-to-m 2 1 ${resume_dir}/
 volt_resume_test(resume.one_to_two CORES ${resume_exe} n-to-m 1 2 ${resume_dir}/one_to_two -- ${volt_mpirun})
 volt_resume_test(resume.two_to_two CORES ${resume_exe} n-to-m 2 2 ${resume_dir}/two_to_two -- ${volt_mpirun})
 volt_resume_test(resume.zero CORES ${resume_exe} zero-resume ${resume_dir}/zero -- ${volt_mpirun})
+volt_resume_test(resume.fsdp CORES ${resume_exe} fsdp-resume ${resume_dir}/fsdp -- ${volt_mpirun})
 # Stop signals: SIGTERM to one process, to mpirun and to a Spawn main process; SIGUSR1 to one of 2 ranks.
 volt_resume_test(resume.signal_single ${resume_exe} signal single ${resume_dir}/signal_single)
 volt_resume_test(resume.signal_mpirun CORES ${resume_exe} signal mpirun-term ${resume_dir}/signal_mpirun -- ${volt_mpirun})

@@ -15,6 +15,8 @@
 //   resume zero-resume <dir> -- <mpirun...>   a ZeRO checkpoint holds DDP's state at the same step; saved on 2
 //                                             ranks it resumes on 1, on 4 and on 2, and a DDP one on 2 ZeRO ranks:
 //                                             every sample once, the file's optimizer state, whole sync_dist values
+//   resume fsdp-resume <dir> -- <mpirun...>   the same for FSDP saved on 4 ranks, resumed on 1, 2, 3 and 4 ranks
+//                                             (4: the uninterrupted run's end, bit for bit)
 //   resume signal <case> <dir> [-- <mpirun...>]
 //                                             a run stopped by SIGTERM/SIGUSR1 (to the process, mpirun, one rank,
 //                                             a Spawn main process) checkpoints, exits, and resumes bit-identical
@@ -443,7 +445,7 @@ int index_fit_with(Trainer& trainer, const std::string& record, const std::strin
   return 0;
 }
 
-// resume index-fit <ddp|zero1|zero2> <ranks> <dir> <record> <max_steps> [ckpt]: one rank runs SingleDevice; a resumed
+// resume index-fit <ddp|zero1|zero2|fsdp> <ranks> <dir> <record> <max_steps> [ckpt]: one rank runs SingleDevice; a resumed
 // run saves <record>.start.ckpt as its training starts. The ranks span VOLT_TEST_NODES hosts where that is set.
 int index_fit(const std::string& strategy, int ranks, const std::string& dir, const std::string& record,
               int64_t max_steps, const std::string& ckpt) {
@@ -459,6 +461,7 @@ int index_fit(const std::string& strategy, int ranks, const std::string& dir, co
   if (ranks == 1) return with(static_cast<volt::SingleDevice*>(nullptr));
   if (strategy == "zero1") return with(static_cast<volt::ZeRO<1, volt::Script, volt::Mpi>*>(nullptr));
   if (strategy == "zero2") return with(static_cast<volt::ZeRO<2, volt::Script, volt::Mpi>*>(nullptr));
+  if (strategy == "fsdp") return with(static_cast<volt::FSDP<volt::Script, volt::Mpi>*>(nullptr));
   return with(static_cast<volt::DDP<volt::Script, volt::Mpi>*>(nullptr));
 }
 
@@ -546,24 +549,38 @@ torch::Tensor weights_in(const std::string& path) {
 // weights and Adam state (the layout of one process, read by one). Then it resumes on 1 rank, on 4 (ZeRO<1>), and
 // a DDP checkpoint on 2 ZeRO<2> ranks: every sample of both epochs seen once, and the state each run made of the
 // file (saved as its training starts) is the file's.
-int zero_resume(const std::string& dir, std::vector<std::string> mpirun) {
+// resume fsdp-resume <dir> -- <mpirun...>
+// The same for FSDP saved on 4 ranks (its parameters gathered unit by unit into the file): resumed on 1 rank, on 2
+// and 3 FSDP ranks, and on 4, where it must end on the uninterrupted FSDP run's weights and Adam state, bit for bit.
+struct ResumeCase {
+  const char* name;
+  const char* strategy;
+  int ranks;
+  const char* from;
+  /// Every sample once; false where the epoch's rest does not divide by the new world size (the 16 samples left on 3
+  /// ranks are padded to 18, as DistributedSampler pads: DDP repeats the same 2).
+  bool once = true;
+};
+int sharded_resume(const std::string& dir, std::vector<std::string> mpirun, const std::string& sharded, int ranks,
+                   const std::vector<ResumeCase>& cases) {
   fs::remove_all(dir);
   fs::create_directories(dir);
-  auto job = [&](int ranks, std::vector<std::string> args) {
+  auto job = [&](int n, std::vector<std::string> args) {
     std::vector<std::string> cmd;
-    if (ranks > 1) {
+    if (n > 1) {
       cmd = mpirun;
       const auto np = std::find(cmd.begin(), cmd.end(), "-np");  // the command given runs 2
       if (np == cmd.end() || np + 1 == cmd.end()) fail("the mpirun command given has no -np N");
-      *(np + 1) = std::to_string(ranks);
+      *(np + 1) = std::to_string(n);
     }
     cmd.push_back(self_exe());
     cmd.insert(cmd.end(), args.begin(), args.end());
-    if (run(cmd) != 0) fail("the run failed: index-fit " + args[0] + " on " + std::to_string(ranks) + " rank(s)");
+    if (run(cmd) != 0) fail("the run failed: index-fit " + args[0] + " on " + std::to_string(n) + " rank(s)");
   };
-  const std::string stop = std::to_string(48 / (4 * 2) + 2);  // epoch 1, two batches in
-  job(2, {"index-fit", "zero2", "2", dir + "/z", dir + "/z_part1", stop});
-  job(2, {"index-fit", "ddp", "2", dir + "/d", dir + "/d_part1", stop});
+  const std::string stop = std::to_string(48 / (4 * ranks) + 2);  // epoch 1, two batches in
+  const std::string r = std::to_string(ranks);
+  job(ranks, {"index-fit", sharded, r, dir + "/z", dir + "/z_part1", stop});
+  job(ranks, {"index-fit", "ddp", r, dir + "/d", dir + "/d_part1", stop});
   const auto [z_steps, z_moments] = adam_state(dir + "/z/last.ckpt");
   const auto [d_steps, d_moments] = adam_state(dir + "/d/last.ckpt");
   if (z_steps != d_steps || !torch::allclose(z_moments, d_moments, 1e-5, 1e-7) ||
@@ -573,35 +590,48 @@ int zero_resume(const std::string& dir, std::vector<std::string> mpirun) {
     for (std::size_t i = 0; i < z_steps.size(); ++i) d << " " << z_steps[i] << "/" << d_steps[i];
     d << "; moments " << z_moments << " vs " << d_moments << "; weights " << weights_in(dir + "/z/last.ckpt") << " vs "
       << weights_in(dir + "/d/last.ckpt");
-    fail("MISMATCH: the ZeRO checkpoint's weights or Adam state differ from DDP's at the same step: " + d.str());
+    fail("MISMATCH: the " + sharded + " checkpoint's weights or Adam state differ from DDP's at the same step: " + d.str());
   }
-  struct Case {
-    const char* name;
-    const char* strategy;
-    int ranks;
-    const char* from;
-  };
-  for (const Case& c : {Case{"zero2 on 2 -> 1 rank", "ddp", 1, "z"}, Case{"zero2 on 2 -> zero1 on 4", "zero1", 4, "z"},
-                        Case{"ddp on 2 -> zero2 on 2", "zero2", 2, "d"}, Case{"zero2 on 2 -> zero2 on 2", "zero2", 2, "z"}}) {
+  for (const ResumeCase& c : cases) {
     const std::string part2 = dir + "/" + c.strategy + std::to_string(c.ranks) + "_from_" + c.from;
     job(c.ranks, {"index-fit", c.strategy, std::to_string(c.ranks), part2 + "_ckpt", part2, "-1",
                   dir + "/" + c.from + "/last.ckpt"});
-    auto count = read_records(dir + "/" + c.from + "_part1", 2);
+    auto count = read_records(dir + "/" + c.from + "_part1", ranks);
     for (const auto& [k, n] : read_records(part2, c.ranks)) count[k] += n;
-    for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    for (int64_t epoch = 0; epoch < 2 && c.once; ++epoch) {
       for (int64_t i = 0; i < 48; ++i) {
         if (count[{epoch, i}] != 1) fail(std::string(c.name) + ": epoch " + std::to_string(epoch) + " sample " + std::to_string(i) + " seen " + std::to_string(count[{epoch, i}]) + " times");
       }
     }
-    check_epoch_values(part2 + ".epochs", 1, c.name);
+    if (c.once) check_epoch_values(part2 + ".epochs", 1, c.name);
     const auto [from_steps, from_moments] = adam_state(dir + "/" + c.from + "/last.ckpt");
     const auto [got_steps, got_moments] = adam_state(part2 + ".start.ckpt");
     if (from_steps != got_steps || !torch::equal(from_moments, got_moments)) {
       fail(std::string("MISMATCH: ") + c.name + ": the resumed run's Adam state is not the file's");
     }
-    std::cout << c.name << ": every sample once, the file's Adam state  match" << std::endl;
+    if (c.strategy == sharded && c.ranks == ranks) {  // the same layout: the uninterrupted run's end, bit for bit
+      job(ranks, {"index-fit", sharded, r, dir + "/whole_ckpt", dir + "/whole", "-1"});
+      const auto [w_steps, w_moments] = adam_state(dir + "/whole_ckpt/last.ckpt");
+      const auto [e_steps, e_moments] = adam_state(part2 + "_ckpt/last.ckpt");
+      if (!torch::equal(weights_in(dir + "/whole_ckpt/last.ckpt"), weights_in(part2 + "_ckpt/last.ckpt")) ||
+          w_steps != e_steps || !torch::equal(w_moments, e_moments)) {
+        fail(std::string("MISMATCH: ") + c.name + ": the resumed run ends elsewhere than the uninterrupted one");
+      }
+    }
+    std::cout << c.name << (c.once ? ": every sample once," : ":") << " the file's Adam state  match" << std::endl;
   }
   return 0;
+}
+int zero_resume(const std::string& dir, std::vector<std::string> mpirun) {
+  return sharded_resume(dir, std::move(mpirun), "zero2", 2,
+                        {{"zero2 on 2 -> 1 rank", "ddp", 1, "z"}, {"zero2 on 2 -> zero1 on 4", "zero1", 4, "z"},
+                         {"ddp on 2 -> zero2 on 2", "zero2", 2, "d"}, {"zero2 on 2 -> zero2 on 2", "zero2", 2, "z"}});
+}
+int fsdp_resume(const std::string& dir, std::vector<std::string> mpirun) {
+  return sharded_resume(dir, std::move(mpirun), "fsdp", 4,
+                        {{"fsdp on 4 -> 1 rank", "ddp", 1, "z"}, {"fsdp on 4 -> fsdp on 2", "fsdp", 2, "z"},
+                         {"fsdp on 4 -> fsdp on 3", "fsdp", 3, "z", false}, {"ddp on 4 -> fsdp on 2", "fsdp", 2, "d"},
+                         {"fsdp on 4 -> fsdp on 4", "fsdp", 4, "z"}});
 }
 
 // ---- stop signals ---------------------------------------------------------------------------------------------
@@ -1079,6 +1109,9 @@ const Mode kModes[] = {
     {"spawn-exact", 2, "<dir>", [](const std::vector<std::string>& a, int, char**) { return spawn_exact(a[2]); }},
     {"n-to-m", 4, "<from> <to> <dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
        return n_to_m(std::stoi(a[2]), std::stoi(a[3]), a[4], after_dashes(argc, argv));
+     }},
+    {"fsdp-resume", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
+       return fsdp_resume(a[2], after_dashes(argc, argv));
      }},
     {"zero-resume", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
        return zero_resume(a[2], after_dashes(argc, argv));

@@ -1,14 +1,16 @@
-// ZeRO against DDP on the CPU (JSON lines), under `mpirun -np W` (W = 2 or 4) or plainly with --devices W (Script
-// starts the other ranks):
+// ZeRO and FSDP against DDP on the CPU (JSON lines), under `mpirun -np W` (W = 2 or 4) or plainly with --devices W
+// (Script starts the other ranks):
 //   zero [--devices W] [--rounds 3] [--steps 40] [--warmup 5] [--width 1536] [--hidden 2] [--bucket-mb 25]
-// In one job, rounds interleaved: DDP, ZeRO<1> and ZeRO<2> fits of an MLP 784-width-...-10 with `hidden` layers of
+// In one job, rounds interleaved: DDP, ZeRO<1>, ZeRO<2> and FSDP (each layer a unit; units freed after forward, and
+// kept to backward) fits of an MLP 784-width-...-10 with `hidden` layers of
 // `width` (about 3.6 million parameters by default: one gradient bucket) with Adam, batch 32 per rank, one intra-op
 // thread per rank, gradient buckets of `bucket-mb` MiB (the first at most 1 MiB) for all three. Rank 0 prints, per strategy, the
-// optimizer-state and gradient bytes a rank holds between steps (the largest over the ranks), the process's peak
+// parameter, optimizer-state and gradient bytes a rank holds between steps (the largest over the ranks), the process's peak
 // resident memory during the fit and its growth over the resident size at the fit's start (the largest over the
 // ranks; before each fit the freed memory is handed back with malloc_trim and the peak reset), and the median step
 // time; then the ratios to DDP (state and gradient bytes, peak memory and its growth, steps per second). The growth is
-// what the strategy changes: the peak adds LibTorch's, MPI's and the data's resident memory, the same for all three.
+// what the strategy changes: the peak adds LibTorch's, MPI's and the data's resident memory, the same for all. The
+// model state is the three byte counts together (DDP's: 16 bytes a parameter with Adam in float32).
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
@@ -22,6 +24,7 @@
 #include <iostream>
 #include <malloc.h>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -31,6 +34,10 @@ using volt_bench::median;
 
 struct MlpImpl : volt_bench::WideMlp {
   using WideMlp::WideMlp;
+  /// Each layer one unit under FSDP (a plain call under the others).
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context&) {
+    return torch::nn::functional::cross_entropy(volt::forward_blocks(net, b.data, volt::Units{}), b.target);
+  }
   torch::optim::Adam configure_optimizers() { return torch::optim::Adam(parameters(), torch::optim::AdamOptions(1e-4)); }
 };
 TORCH_MODULE(Mlp);
@@ -39,16 +46,32 @@ TORCH_MODULE(Mlp);
 struct Probe {
   int64_t warmup = 0;
   std::chrono::steady_clock::time_point start, end;
-  double state_bytes = 0, grad_bytes = 0;
+  double state_bytes = 0, grad_bytes = 0, param_bytes = 0;
   template <class T, class M, class B>
   void on_train_batch_start(T&, M&, const B&, int64_t batch_idx) {
     if (batch_idx == warmup) start = std::chrono::steady_clock::now();
   }
   template <class T, class M>
-  void on_train_end(T& trainer, M&) {
+  void on_train_end(T& trainer, M& module) {
     end = std::chrono::steady_clock::now();
     state_bytes = static_cast<double>(volt::detail::optimizer_state_bytes(*trainer.optimizer()));
     grad_bytes = static_cast<double>(trainer.strategy().gradient_bytes());
+    param_bytes = parameter_bytes(module, *trainer.optimizer());
+  }
+  /// The storage the module's parameters hold (FSDP's between steps: none) and the optimizer's parameters that are
+  /// not the module's (ZeRO's and FSDP's pieces; ZeRO<1|2>'s share the module's storage, counted once).
+  template <class M>
+  static double parameter_bytes(M& module, torch::optim::Optimizer& optimizer) {
+    std::set<const void*> seen;
+    double bytes = 0;
+    auto add = [&](const at::Tensor& p) {
+      if (p.has_storage() && seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += p.storage().nbytes();
+    };
+    for (const auto& p : module.parameters()) add(p);
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) add(p);
+    }
+    return bytes;
   }
 };
 
@@ -69,7 +92,7 @@ double reset_peak() {
 }
 
 struct Figures {
-  double seconds_per_step, state_bytes, grad_bytes, peak_bytes, growth_bytes;
+  double seconds_per_step, state_bytes, grad_bytes, param_bytes, peak_bytes, growth_bytes;
 };
 bool rank_zero = false;
 
@@ -80,7 +103,7 @@ struct Config {
 int64_t parameters = 0;
 
 template <class S>
-Figures run(const Config& c) {
+Figures run(const Config& c, bool reshard = true) {
   const int64_t batch = 32;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const int64_t n = batch * c.devices * (c.steps + c.warmup);
@@ -92,6 +115,9 @@ Figures run(const Config& c) {
   auto trainer = volt::make_trainer<S>({.devices = c.devices, .max_epochs = 1}, Probe{c.warmup});
   const auto bucket = static_cast<std::size_t>(c.bucket_mb) << 20;
   trainer.strategy().set_bucket_bytes(std::min<std::size_t>(bucket, std::size_t{1} << 20), bucket);
+  if constexpr (requires { trainer.strategy().set_reshard_after_forward(reshard); }) {
+    trainer.strategy().set_reshard_after_forward(reshard);
+  }
   const double start_rss = reset_peak();
   trainer.fit(model, volt::data::TensorLoader(x, y, {.batch_size = batch}));
   const Probe& p = trainer.template callback<Probe>();
@@ -101,7 +127,8 @@ Figures run(const Config& c) {
   const double seconds = std::chrono::duration<double>(p.end - p.start).count() / static_cast<double>(c.steps);
   rank_zero = trainer.is_global_zero();
   const double peak = status_bytes("VmHWM");
-  return {largest(seconds), largest(p.state_bytes), largest(p.grad_bytes), largest(peak), largest(peak - start_rss)};
+  return {largest(seconds), largest(p.state_bytes), largest(p.grad_bytes), largest(p.param_bytes), largest(peak),
+          largest(peak - start_rss)};
 }
 
 }  // namespace
@@ -136,11 +163,14 @@ int main(int argc, char** argv) {
   using Ddp = volt::DDP<volt::Script, volt::Mpi>;
   using Zero1 = volt::ZeRO<1, volt::Script, volt::Mpi>;
   using Zero2 = volt::ZeRO<2, volt::Script, volt::Mpi>;
+  using Fsdp = volt::FSDP<volt::Script, volt::Mpi>;
   std::map<std::string, std::vector<Figures>> all;
   for (int r = 0; r < rounds; ++r) {
     all["DDP"].push_back(run<Ddp>(c));
     all["ZeRO<1>"].push_back(run<Zero1>(c));
     all["ZeRO<2>"].push_back(run<Zero2>(c));
+    all["FSDP"].push_back(run<Fsdp>(c));
+    all["FSDP-keep"].push_back(run<Fsdp>(c, /*reshard=*/false));
   }
   if (!rank_zero) return 0;
   std::map<std::string, Figures> med;
@@ -151,19 +181,24 @@ int main(int argc, char** argv) {
       return median(v);
     };
     med[name] = {pick(&Figures::seconds_per_step), pick(&Figures::state_bytes), pick(&Figures::grad_bytes),
-                 pick(&Figures::peak_bytes), pick(&Figures::growth_bytes)};
+                 pick(&Figures::param_bytes), pick(&Figures::peak_bytes), pick(&Figures::growth_bytes)};
     const Figures& m = med[name];
     std::cout << "{\"bench\":\"zero\"" << volt_bench::blas_field() << ",\"strategy\":\"" << name
               << "\",\"world_size\":" << devices << ",\"parameters\":" << parameters << ",\"bucket_mb\":" << c.bucket_mb
               << ",\"rounds\":" << rounds << ",\"steps\":" << c.steps << ",\"steps_per_s\":" << 1.0 / m.seconds_per_step
-              << ",\"optimizer_state_bytes\":" << m.state_bytes << ",\"gradient_bytes\":" << m.grad_bytes
+              << ",\"parameter_bytes\":" << m.param_bytes << ",\"optimizer_state_bytes\":" << m.state_bytes
+              << ",\"gradient_bytes\":" << m.grad_bytes
               << ",\"peak_rss_bytes\":" << m.peak_bytes << ",\"peak_growth_bytes\":" << m.growth_bytes << "}"
               << std::endl;
   }
-  for (const char* name : {"ZeRO<1>", "ZeRO<2>"}) {
-    const Figures &z = med[name], &d = med["DDP"];
+  for (const char* name : {"ZeRO<1>", "ZeRO<2>", "FSDP", "FSDP-keep"}) {
+    const Figures &z = med[name], &d = med["DDP"], &z2 = med["ZeRO<2>"];
+    auto model_state = [](const Figures& f) { return f.param_bytes + f.grad_bytes + f.state_bytes; };
     std::cout << "{\"bench\":\"zero_vs_ddp\"" << volt_bench::blas_field() << ",\"strategy\":\"" << name
               << "\",\"world_size\":" << devices << ",\"parameters\":" << parameters << ",\"bucket_mb\":" << c.bucket_mb
+              << ",\"model_state_bytes_ratio\":" << model_state(z) / model_state(d)
+              << ",\"parameter_bytes_ratio\":" << z.param_bytes / d.param_bytes
+              << ",\"steps_per_s_vs_zero2\":" << z2.seconds_per_step / z.seconds_per_step
               << ",\"state_bytes_ratio\":" << z.state_bytes / d.state_bytes
               << ",\"gradient_bytes_ratio\":" << z.grad_bytes / d.grad_bytes
               << ",\"peak_rss_ratio\":" << z.peak_bytes / d.peak_bytes

@@ -402,14 +402,14 @@ TORCH_MODULE(FsdpBlock);
 /// the first layer), so that units do not divide by 2, 3 or 4 ranks; training_step as ZeroNetImpl's (batch 2 of each
 /// epoch returns no loss). Each block, as it runs, counts the blocks whose parameters hold storage (gathered).
 struct FsdpNetImpl : torch::nn::Module {
-  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::Linear first{nullptr}, head{nullptr};  // ("in" would be refused by LibTorch's archives: a keyword)
   torch::nn::ModuleList blocks;
   volt::ActivationCheckpointing which;
   int64_t most_gathered = 0;  // the most blocks gathered at once while one ran forward with gradients, once laid out
   bool laid_out = false;      // set between steps once the first optimizer step was taken
   FsdpNetImpl() {
     torch::manual_seed(5);
-    in = register_module("in", torch::nn::Linear(4, 10));
+    first = register_module("first", torch::nn::Linear(4, 10));
     blocks = register_module("blocks", torch::nn::ModuleList());
     const int64_t widths[] = {10, 7, 9, 5, 11, 6};
     for (int i = 0; i < 5; ++i) {
@@ -425,7 +425,7 @@ struct FsdpNetImpl : torch::nn::Module {
     head = register_module("head", torch::nn::Linear(6, 1));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    auto h = torch::tanh(in(x));
+    auto h = torch::tanh(first(x));
     h = volt::forward_blocks<FsdpBlockImpl>(blocks, h, volt::Units{}, which);
     return head(h);
   }
@@ -434,6 +434,9 @@ struct FsdpNetImpl : torch::nn::Module {
     auto loss = (forward(batch.data) - batch.target).pow(2).mean();
     ctx.log("loss", loss, {.sync_dist = true});
     return loss;
+  }
+  void validation_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    ctx.log("val_loss", (forward(batch.data) - batch.target).pow(2).mean(), {.sync_dist = true});
   }
   std::unique_ptr<torch::optim::Optimizer> configure_optimizers() {
     return std::make_unique<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01));
@@ -457,6 +460,45 @@ struct HeldBetweenSteps {
   }
 };
 
+/// Once laid out, each training batch's all-gathers and reduce-scatters, from the flight recorder: per batch the most
+/// and the fewest of each, on batches that stepped the optimizer (`stepping`) and on the others.
+struct CollectiveCounts {
+  struct Range {
+    int64_t least = 1 << 30, most = -1;
+    void add(int64_t n) { least = std::min(least, n), most = std::max(most, n); }
+  };
+  std::shared_ptr<std::map<std::string, Range>> seen = std::make_shared<std::map<std::string, Range>>();
+  std::shared_ptr<uint64_t> from = std::make_shared<uint64_t>(0);
+  std::shared_ptr<int64_t> step = std::make_shared<int64_t>(0);
+  std::shared_ptr<bool> counting = std::make_shared<bool>(false);
+  template <class T>
+  static volt::detail::FlightRecorder& recorder(T& trainer) {
+    return trainer.strategy().backend().axis().group()->recorder();
+  }
+  template <class T, class M, class B>
+  void on_train_batch_start(T& trainer, M& module, const B&, int64_t) {
+    *from = recorder(trainer).progress().issued();
+    *step = trainer.global_step();
+    *counting = module.laid_out;  // (the first step runs whole)
+  }
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor& loss, const B&, int64_t) {
+    if (!*counting || !loss.defined()) return;
+    auto& r = recorder(trainer);
+    const uint64_t to = r.progress().issued();
+    if (to - *from > volt::detail::FlightRecorder::kKept) return;  // (older entries are gone)
+    int64_t gathers = 0, scatters = 0;
+    for (uint64_t seq = *from + 1; seq <= to; ++seq) {
+      const auto e = r.entry(seq);
+      gathers += e.kind == volt::detail::Collective::all_gather;
+      scatters += e.kind == volt::detail::Collective::reduce_scatter;
+    }
+    const std::string when = trainer.global_step() > *step ? "stepping" : "accumulating";
+    (*seen)[when + " all-gathers"].add(gathers);
+    (*seen)[when + " reduce-scatters"].add(scatters);
+  }
+};
+
 /// FSDP on `world` ranks (Adam, accumulation 3, clipping; `reshard` after forward or not; activation checkpointing in
 /// every unit or not) against the one-process loop on the global batches; between steps no parameter holds storage and
 /// each rank's pieces are its share; while a block runs, at most 2 blocks are gathered (its own and the next one's,
@@ -470,12 +512,17 @@ int fsdp_scenario(int world, bool reshard, bool checkpointing) {
   FsdpNetImpl net;
   net.which = volt::ActivationCheckpointing{.every = checkpointing ? 1u : 0u};
   HeldBetweenSteps held;
+  CollectiveCounts counts;
   auto trainer = volt::make_trainer<volt::FSDP<L, volt::Mpi>>(
       {.devices = world / g_nodes, .num_nodes = g_nodes, .max_epochs = epochs, .accumulate_grad_batches = accumulate,
-       .gradient_clip_val = clip}, held);
+       .gradient_clip_val = clip}, held, counts);
   trainer.strategy().set_reshard_after_forward(reshard);
   volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
-  trainer.fit(net, loader);
+  // 32 validation samples: on 3 ranks padded to 33 (sample 0 twice), 11 a rank in batches of 4, 4 and 3, every rank
+  // as many forwards (each gathers every unit).
+  const auto [vx, vy] = data(n + 32);
+  const torch::Tensor val_x = vx.slice(0, n), val_y = vy.slice(0, n);
+  const volt::FitResult result = trainer.fit(net, loader, volt::data::TensorLoader(val_x, val_y, {.batch_size = kBatch}));
   const std::string what = std::string("FSDP on ") + std::to_string(world) + " ranks (reshard_after_forward " +
                            (reshard ? "on" : "off") + (checkpointing ? ", activation checkpointing" : "") + ")";
   const bool answer_here = std::is_same_v<L, volt::Spawn> || trainer.is_global_zero();
@@ -485,6 +532,27 @@ int fsdp_scenario(int world, bool reshard, bool checkpointing) {
     std::cout << what << ": max |weights - reference| = " << diff << std::endl;
     check(torch::allclose(flat(net), want, 1e-5, 1e-6), what + ": weights equal the one-process reference (max diff " +
                                                             std::to_string(diff) + ")");
+    // The last validation ran on the final weights: its mean over the ranks' batches is the reference's over the 32
+    // samples and their padding.
+    FsdpNetImpl ref;
+    {
+      torch::NoGradGuard no_grad;
+      const auto mine = ref.parameters();
+      int64_t at = 0;
+      for (auto& p : mine) {
+        p.copy_(want.slice(0, at, at + p.numel()).view(p.sizes()));
+        at += p.numel();
+      }
+    }
+    const int64_t padded_n = (32 + world - 1) / world * world;  // DistributedSampler's padding: the first samples again
+    const auto rows = torch::cat({torch::arange(32), torch::arange(padded_n - 32)});
+    const double want_val =
+        (ref.forward(val_x.index_select(0, rows)) - val_y.index_select(0, rows)).pow(2).mean().item<double>();
+    const auto got_val = result.metrics.find("val_loss");
+    check(got_val != result.metrics.end() && std::abs(got_val->second - want_val) < 1e-5 * (1 + want_val),
+          what + ": the last validation's loss is the final weights' over every sample (got " +
+              (got_val == result.metrics.end() ? std::string("none") : std::to_string(got_val->second)) + ", want " +
+              std::to_string(want_val) + ")");
   }
   if constexpr (std::is_same_v<L, volt::Script>) {
     const torch::Tensor every = trainer.strategy().all_gather(flat(net));
@@ -505,6 +573,20 @@ int fsdp_scenario(int world, bool reshard, bool checkpointing) {
     check(net.most_gathered <= most && net.most_gathered >= 1,
           what + ": at most " + std::to_string(most) + " blocks gathered while one ran (saw " +
               std::to_string(net.most_gathered) + ")");
+    // Per batch: the root and the 5 units gathered in forward, the units again in backward where freed after forward;
+    // on a stepping batch each unit's gradients and the root's reduce-scattered once; none on the others.
+    const int64_t units = 5, gathers = 1 + units + (reshard ? units : 0);
+    for (const auto& [what_, want] : std::map<std::string, int64_t>{{"stepping all-gathers", gathers},
+                                                                      {"accumulating all-gathers", gathers},
+                                                                      {"stepping reduce-scatters", units + 1},
+                                                                      {"accumulating reduce-scatters", 0}}) {
+      const auto it = counts.seen->find(what_);
+      check(it != counts.seen->end() && it->second.least == want && it->second.most == want,
+            what + ": " + what_ + " per batch " +
+                (it == counts.seen->end() ? std::string("never seen")
+                                          : std::to_string(it->second.least) + " to " + std::to_string(it->second.most)) +
+                ", want " + std::to_string(want));
+    }
     const auto mine = static_cast<int64_t>(volt::detail::optimizer_state_bytes(*trainer.optimizer()));
     const int64_t all = trainer.strategy().all_reduce(torch::tensor({mine}), volt::Reduce::sum).template item<int64_t>();
     check(all == elements * 4 * 2, "the ranks' Adam states add up to one unsharded state (" + std::to_string(all) +

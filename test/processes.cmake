@@ -89,6 +89,7 @@ volt_distributed_test(dist.zero.mpirun2_stage2_fused ${volt_mpirun} ${dist} zero
 volt_distributed_test(dist.fsdp.mpirun2_reshard ${volt_mpirun} ${dist} fsdp script 2 reshard)
 volt_distributed_test(dist.fsdp.mpirun3_keep ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp script 3 keep)
 volt_distributed_test(dist.fsdp.mpirun4_checkpointing ${mpirun4} ${dist} fsdp script 4 reshard checkpointing)
+volt_distributed_test(dist.fsdp.spawn2 ${dist} fsdp spawn 2 reshard)
 volt_distributed_test(dist.fsdp.gpt_mpirun2 ${volt_mpirun} ${dist} fsdp-gpt 2 reshard)
 volt_distributed_test(dist.fsdp.gpt_mpirun3_keep ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp-gpt 3 keep)
 volt_distributed_test(dist.predict.mpirun2 ${volt_mpirun} ${dist} predict script 2)

@@ -73,7 +73,7 @@ struct StepParts {
     RECORD_USER_SCOPE("volt::training_step");  // a range in a profiler's trace (callbacks/profiler.hpp)
     [[maybe_unused]] auto autocast = precision.forward_context(accelerator_type::device_type);
     return run_module_step(state, "training_step", [&]() -> decltype(auto) {
-      ForwardScope scope = strategy.forward_scope(Stage::train);
+      auto scope = strategy.forward_scope(Stage::train);  // (held to the step's end: FSDP gathers its root here)
       if constexpr (std::is_same_v<decltype(module.training_step(b, ctx)), torch::Tensor>) {
         torch::Tensor loss = module.training_step(b, ctx);
         if (!loss.defined()) scope.no_backward();  // a skipped batch

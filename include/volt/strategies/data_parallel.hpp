@@ -56,11 +56,13 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   /// Shards loaders that can be sharded: for training, one per-epoch permutation on every rank, padded; for
   /// evaluation and prediction, the one-process batches dealt out in turn where the loader can (no sample twice,
   /// so means are over the real samples and predict's gathered results are the one-process results; a rank may get
-  /// none).
+  /// none). Where the parameters are sharded (FSDP) every forward is a collective, so evaluation is padded as training
+  /// is: every rank runs as many batches, the last ones repeating the first samples (as PyTorch's DistributedSampler).
   template <class Loader>
   decltype(auto) process_dataloader(Loader&& loader, Stage stage) {
     if constexpr (data::SplittableLoader<std::remove_cvref_t<Loader>>) {
-      const auto split = stage == Stage::train ? data::Split::padded_samples : data::Split::whole_batches;
+      const bool padded = stage == Stage::train || Layout::stage == 3;
+      const auto split = padded ? data::Split::padded_samples : data::Split::whole_batches;
       // Fewer evaluation batches than ranks leave some ranks none: they take part in the epoch's reductions with
       // empty sums (connectors/logger_connector.hpp), as Lightning runs such a loader.
       return loader.shard(this->global_rank(), this->world_size(), split);

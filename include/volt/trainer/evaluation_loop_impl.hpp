@@ -51,7 +51,7 @@ void Trainer<S, P, A, Cs...>::eval_epoch(Impl& module, Context& ctx, L& loader, 
       hook<typename Kind::batch_start>(module, ctx, batch, idx);
       auto out = run_eval_step(batch, [&](auto& b) {
         return detail::run_module_step(state_, Kind::step_name, [&] {
-          [[maybe_unused]] ForwardScope scope = strategy_.forward_scope(stage);
+          [[maybe_unused]] auto scope = strategy_.forward_scope(stage);
           return Kind::step(module, b, ctx);
         });
       });

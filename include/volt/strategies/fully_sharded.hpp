@@ -234,10 +234,9 @@ class UnitScheduler final : public UnitRuntime {
 
 /// Units with parameters become buckets in the reverse of their first run, in that order; the root last.
 template <class B>
-std::vector<std::vector<std::size_t>> UnitScheduler<B>::order_buckets(const std::vector<at::Tensor>& params,
-                                                                      const std::vector<int64_t>& claimed,
-                                                                      const std::vector<const torch::nn::Module*>& units,
-                                                                      std::vector<std::vector<std::size_t>> members) {
+std::vector<std::vector<std::size_t>> UnitScheduler<B>::order_buckets(
+    const std::vector<at::Tensor>& params, const std::vector<int64_t>& claimed,
+    const std::vector<const torch::nn::Module*>& units, std::vector<std::vector<std::size_t>> members) {
   std::vector<std::vector<std::size_t>> groups;
   std::vector<int64_t> bucket_of_unit(units.size(), -1);
   for (std::size_t u = units.size(); u-- > 0;) {
@@ -276,7 +275,8 @@ int64_t UnitScheduler<B>::enter(const torch::nn::Module& unit) {
                       "sharded model runs the same units in every step.");
   }
   if (phase_ == Phase::forward && at::GradMode::is_enabled()) {
-    if (position_ >= sequence_.size() || sequence_[position_] != (it->second < 0 ? SIZE_MAX : static_cast<std::size_t>(it->second))) {
+    const std::size_t bucket = it->second < 0 ? SIZE_MAX : static_cast<std::size_t>(it->second);
+    if (position_ >= sequence_.size() || sequence_[position_] != bucket) {
       throw ConfigError("volt: a " + unit.name() + " ran as unit call " + std::to_string(position_ + 1) + " of the "
                         "step, out of the order of the fit's first step (" + std::to_string(sequence_.size()) +
                         " calls); a fully sharded model runs its units in the same order in every step.");

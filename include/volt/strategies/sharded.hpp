@@ -455,11 +455,14 @@ void ShardedHolder<Stage, B>::lay_out(G& g, torch::optim::Optimizer& optimizer) 
   reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), std::move(groups),
                                           GradSync::reduce_scatter_to_blocks);
   reducer_->on_bucket_ready([units = units_.get()](std::size_t bucket) { units->bucket_done(bucket); });
-  shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size(), /*apart=*/true);
+  shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size(),
+                                          /*apart=*/true);
   torch::NoGradGuard no_grad;
   for (const ShardPiece& piece : shards_->pieces()) {
     const at::Tensor& grad = grads[piece.param];
-    if (grad.defined()) piece.tensor.mutable_grad() = grad.reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
+    if (grad.defined()) {
+      piece.tensor.mutable_grad() = grad.reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
+    }
   }
   for (std::size_t j = 0; j < params_.size(); ++j) {
     if (shards_->location(j).laid_out) params_[j].mutable_grad() = at::Tensor();
@@ -505,7 +508,8 @@ c10::Dict<std::string, at::Tensor> ShardedHolder<Stage, B>::module_state(G& g, c
 
 template <int Stage, class B>
 template <class G>
-void ShardedHolder<Stage, B>::load_module_state(G& /*strategy*/, torch::nn::Module& module, const checkpoint::Dict& state) {
+void ShardedHolder<Stage, B>::load_module_state(G& /*strategy*/, torch::nn::Module& module,
+                                                const checkpoint::Dict& state) {
   if (!shards_ || whole_ || Stage < 3) return checkpoint::load_module_state(module, state);
   units_->release_all();
   torch::NoGradGuard no_grad;

@@ -195,7 +195,11 @@ class UnitScheduler final : public UnitRuntime {
   /// Backward reached the unit entered at `position`: gathered again, the one before it started.
   void backward_gather(std::size_t position) {
     gather(sequence_[position]);
-    if (position > 0) prefetch(sequence_[position - 1]);
+    for (std::size_t before = position; before-- > 0;) {  // the unit before it that has parameters
+      if (sequence_[before] == SIZE_MAX) continue;
+      prefetch(sequence_[before]);
+      break;
+    }
   }
 
   template <class Agree>

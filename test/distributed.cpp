@@ -398,11 +398,12 @@ struct FsdpBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(FsdpBlock);
 
-/// 4 -> 10 (root) -> 7 -> 9 -> 5 -> 11 -> 6 (five units: 77, 72, 50, 66 and 72 elements) -> 1 (root: 57 elements with
-/// the first layer), so that units do not divide by 2, 3 or 4 ranks; training_step as ZeroNetImpl's (batch 2 of each
+/// 4 -> 10 (root) -> tanh (a unit without parameters) -> 7 -> 9 -> 5 -> 11 -> 6 (five units: 77, 72, 50, 66 and 72
+/// elements) -> 1 (root: 57 elements with the first layer), so that units do not divide by 2, 3 or 4 ranks; training_step as ZeroNetImpl's (batch 2 of each
 /// epoch returns no loss). Each block, as it runs, counts the blocks whose parameters hold storage (gathered).
 struct FsdpNetImpl : torch::nn::Module {
   torch::nn::Linear first{nullptr}, head{nullptr};  // ("in" would be refused by LibTorch's archives: a keyword)
+  torch::nn::Tanh act{nullptr};                     // a unit without parameters, before the first with them
   torch::nn::ModuleList blocks;
   volt::ActivationCheckpointing which;
   int64_t most_gathered = 0;  // the most blocks gathered at once while one ran forward with gradients, once laid out
@@ -410,6 +411,7 @@ struct FsdpNetImpl : torch::nn::Module {
   FsdpNetImpl() {
     torch::manual_seed(5);
     first = register_module("first", torch::nn::Linear(4, 10));
+    act = register_module("act", torch::nn::Tanh());
     blocks = register_module("blocks", torch::nn::ModuleList());
     const int64_t widths[] = {10, 7, 9, 5, 11, 6};
     for (int i = 0; i < 5; ++i) {
@@ -425,7 +427,7 @@ struct FsdpNetImpl : torch::nn::Module {
     head = register_module("head", torch::nn::Linear(6, 1));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    auto h = torch::tanh(first(x));
+    auto h = volt::sharded_call(act, first(x));
     h = volt::forward_blocks<FsdpBlockImpl>(blocks, h, volt::Units{}, which);
     return head(h);
   }

@@ -68,36 +68,6 @@
 namespace volt {
 namespace detail {
 
-/// What a checkpointed function may return, flattened to tensors and built back.
-template <class R>
-struct CheckpointResult {
-  static_assert(sizeof(R) == 0,
-                "volt::activation_checkpoint: the function must return an at::Tensor, a std::tuple of at::Tensor or a "
-                "std::vector<at::Tensor>.");
-};
-template <>
-struct CheckpointResult<at::Tensor> {
-  static std::vector<at::Tensor> flatten(at::Tensor t) { return {std::move(t)}; }
-  static at::Tensor build(std::vector<at::Tensor> v) { return std::move(v.front()); }
-};
-template <>
-struct CheckpointResult<std::vector<at::Tensor>> {
-  static std::vector<at::Tensor> flatten(std::vector<at::Tensor> v) { return v; }
-  static std::vector<at::Tensor> build(std::vector<at::Tensor> v) { return v; }
-};
-template <class... T>
-struct CheckpointResult<std::tuple<T...>> {
-  static_assert((std::is_same_v<T, at::Tensor> && ...),
-                "volt::activation_checkpoint: a returned std::tuple must hold at::Tensor only.");
-  static std::vector<at::Tensor> flatten(std::tuple<T...> t) {
-    return std::apply([](auto&... x) { return std::vector<at::Tensor>{std::move(x)...}; }, t);
-  }
-  static std::tuple<T...> build(std::vector<at::Tensor> v) {
-    return [&]<std::size_t... I>(std::index_sequence<I...>) { return std::tuple<T...>{std::move(v[I])...}; }(
-        std::index_sequence_for<T...>{});
-  }
-};
-
 template <class A>
 inline constexpr bool is_tensor_arg = std::is_same_v<std::remove_cvref_t<A>, at::Tensor>;
 
@@ -422,11 +392,11 @@ auto activation_checkpoint(F&& fn, Args&&... args) {
                    const std::vector<at::Tensor>& tensors) mutable -> std::vector<at::Tensor> {
     Fn& callee = f;
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return detail::CheckpointResult<R>::flatten(
+      return detail::TensorResult<R>::flatten(
           detail::invoke_block(callee, detail::substitute<I, Args...>(kept, tensors)...));
     }(std::index_sequence_for<Args...>{});
   };
-  return detail::CheckpointResult<R>::build(detail::checkpointed_call(std::move(bound), inputs));
+  return detail::TensorResult<R>::build(detail::checkpointed_call(std::move(bound), inputs));
 }
 
 /// Which blocks of a stack run under `activation_checkpoint`, chosen where the model is built: none (`every = 0`),

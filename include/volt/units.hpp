@@ -54,25 +54,26 @@ inline UnitRuntime*& unit_runtime() {
   return runtime;
 }
 
-/// A unit's outputs, flattened to tensors and built back (a tensor, a tuple of tensors, a vector of tensors).
+/// What a unit or a checkpointed function (volt/activation_checkpoint.hpp) returns, flattened to tensors and built
+/// back: a tensor, a tuple of tensors, a vector of tensors.
 template <class R>
-struct UnitOutputs {
-  static_assert(sizeof(R) == 0, "volt: a unit must return an at::Tensor, a std::tuple of at::Tensor or a "
-                                "std::vector<at::Tensor>.");
+struct TensorResult {
+  static_assert(sizeof(R) == 0, "volt: a unit, or a function under activation_checkpoint, must return an at::Tensor, "
+                                "a std::tuple of at::Tensor or a std::vector<at::Tensor>.");
 };
 template <>
-struct UnitOutputs<at::Tensor> {
+struct TensorResult<at::Tensor> {
   static std::vector<at::Tensor> flatten(at::Tensor t) { return {std::move(t)}; }
   static at::Tensor build(std::vector<at::Tensor> v) { return std::move(v.front()); }
 };
 template <>
-struct UnitOutputs<std::vector<at::Tensor>> {
+struct TensorResult<std::vector<at::Tensor>> {
   static std::vector<at::Tensor> flatten(std::vector<at::Tensor> v) { return v; }
   static std::vector<at::Tensor> build(std::vector<at::Tensor> v) { return v; }
 };
 template <class... T>
-struct UnitOutputs<std::tuple<T...>> {
-  static_assert((std::is_same_v<T, at::Tensor> && ...), "volt: a unit's std::tuple must hold at::Tensor only.");
+struct TensorResult<std::tuple<T...>> {
+  static_assert((std::is_same_v<T, at::Tensor> && ...), "volt: a returned std::tuple must hold at::Tensor only.");
   static std::vector<at::Tensor> flatten(std::tuple<T...> t) {
     return std::apply([](auto&... x) { return std::vector<at::Tensor>{std::move(x)...}; }, t);
   }
@@ -101,9 +102,9 @@ auto in_unit(const torch::nn::Module& unit, Run&& run) {
   UnitRuntime* runtime = unit_runtime();
   if (runtime == nullptr) return R(run());
   const int64_t token = runtime->enter(unit);
-  std::vector<at::Tensor> outputs = UnitOutputs<R>::flatten(run());
+  std::vector<at::Tensor> outputs = TensorResult<R>::flatten(run());
   runtime->leave(token, outputs);
-  return UnitOutputs<R>::build(std::move(outputs));
+  return TensorResult<R>::build(std::move(outputs));
 }
 
 }  // namespace detail

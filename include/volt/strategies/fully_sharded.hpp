@@ -114,12 +114,10 @@ class UnitScheduler final : public UnitRuntime {
     travelling_.assign(layout.flats().size(), 0);
     for (std::size_t i = 0; i < layout.flats().size(); ++i) release(i);
   }
-  bool laid_out() const { return layout_ != nullptr; }
 
   /// A forward starts (`stage`; training with gradients: the units' order is checked and backward follows).
   void begin_forward(Stage stage) {
-    training_ = stage == Stage::train && at::GradMode::is_enabled();
-    phase_ = training_ ? Phase::forward : Phase::evaluate;
+    phase_ = stage == Stage::train && at::GradMode::is_enabled() ? Phase::forward : Phase::evaluate;
     position_ = 0;
     if (layout_ != nullptr && root_ >= 0) gather(static_cast<std::size_t>(root_));
   }
@@ -232,7 +230,7 @@ class UnitScheduler final : public UnitRuntime {
   std::vector<typename B::Work> works_;
   std::vector<char> travelling_;
   Phase phase_ = Phase::idle;
-  bool training_ = false, trace_done_ = false;
+  bool trace_done_ = false;
   std::size_t position_ = 0;
 };
 

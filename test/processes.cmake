@@ -90,6 +90,12 @@ volt_distributed_test(dist.fsdp.mpirun2_reshard ${volt_mpirun} ${dist} fsdp scri
 volt_distributed_test(dist.fsdp.mpirun3_keep ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp script 3 keep)
 volt_distributed_test(dist.fsdp.mpirun4_checkpointing ${mpirun4} ${dist} fsdp script 4 reshard checkpointing)
 volt_distributed_test(dist.fsdp.spawn2 ${dist} fsdp spawn 2 reshard)
+# Bf16Mixed: the units gathered in bfloat16 from float32 pieces, against a one-process bfloat16 reference.
+volt_distributed_test(dist.fsdp.mpirun2_bf16 ${volt_mpirun} ${dist} fsdp script 2 reshard bf16)
+volt_distributed_test(dist.fsdp.mpirun3_keep_bf16 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp script 3 keep checkpointing bf16)
+# Every collective started late (collective_thread.hpp): a missing wait or a buffer freed early shows.
+volt_distributed_test(dist.fsdp.mpirun2_delayed ${volt_mpirun} -x VOLT_COLLECTIVE_DELAY_US=3000 ${dist} fsdp script 2 reshard)
+volt_distributed_test(dist.fsdp.mpirun4_delayed_bf16 ${mpirun4} -x VOLT_COLLECTIVE_DELAY_US=2000 ${dist} fsdp script 4 keep bf16)
 volt_distributed_test(dist.fsdp.gpt_mpirun2 ${volt_mpirun} ${dist} fsdp-gpt 2 reshard)
 volt_distributed_test(dist.fsdp.gpt_mpirun3_keep ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp-gpt 3 keep)
 volt_distributed_test(dist.predict.mpirun2 ${volt_mpirun} ${dist} predict script 2)

@@ -10,22 +10,31 @@
 /// reduce-then-scatter reduce-scatter below 4 ranks: half the bus bandwidth of the blocking ones (README, "Speed
 /// across hosts"). PyTorch's MPI process group runs its collectives the same way, on one worker thread.
 ///
+/// `VOLT_COLLECTIVE_DELAY_US` (a debugging aid): each collective starts that many microseconds after the thread takes
+/// it, so that a buffer read before its wait, or freed or refilled while its collective may still run, shows as wrong
+/// values or a crash instead of passing by luck (the tests run FSDP under it).
+///
 /// Failure model: the rank's thread never waits on the collective thread itself, but polls its tickets through
 /// `MpiGroup::wait_until`, which watches the failure channel, the peers and the timeout as for any request. A
 /// collective whose peer died never returns: after a failure the thread is left behind (detached) and the process
 /// ends without MPI_Finalize, as every failed volt process does.
 
 #include "volt/comm/runtime.hpp"
+#include "volt/errors.hpp"
 
 #include <mpi.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <string>
 #include <utility>
 
 namespace volt::detail {
@@ -73,6 +82,7 @@ class CollectiveThread {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     int provided = MPI_THREAD_SINGLE;
     MPI_Query_thread(&provided);
+    if (const char* delay = std::getenv("VOLT_COLLECTIVE_DELAY_US")) delay_ = std::chrono::microseconds(parse_delay(delay));
     if (provided == MPI_THREAD_MULTIPLE) thread_ = std::thread([this] { loop(); });
   }
   CollectiveThread(const CollectiveThread&) = delete;
@@ -119,11 +129,23 @@ class CollectiveThread {
         next = std::move(queue_.front());
         queue_.pop_front();
       }
+      if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
       next.second->finish(next.first(comm_));
     }
   }
 
+  static int64_t parse_delay(const char* text) {
+    char* end = nullptr;
+    const long long us = std::strtoll(text, &end, 10);
+    if (end == text || *end != '\0' || us < 0 || us > 10'000'000) {
+      throw ConfigError(std::string("volt: VOLT_COLLECTIVE_DELAY_US is \"") + text + "\"; allowed: a whole number of "
+                        "microseconds from 0 to 10000000.");
+    }
+    return us;
+  }
+
   MpiGroup* group_;
+  std::chrono::microseconds delay_{0};
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::mutex mutex_;
   std::condition_variable wake_;

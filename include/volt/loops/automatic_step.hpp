@@ -7,6 +7,7 @@
 /// run); the fit loop owns one for the length of a fit and calls `run` for every batch.
 
 #include "volt/context.hpp"
+#include "volt/errors.hpp"
 #include "volt/loops/hooks.hpp"
 #include "volt/loops/step_parts.hpp"
 
@@ -97,6 +98,7 @@ class AutomaticStep {
     const torch::Tensor reference = first_.clamp_min(1.0);
     const double size = static_cast<double>(w.size);
     if (!w.steps) {
+      refuse_sharded_window();
       pending_ = true;
       return loss * (units / (reference * size)).to(loss.scalar_type());
     }
@@ -110,6 +112,19 @@ class AutomaticStep {
       }
     }
     return loss * (units * world / all).to(loss.scalar_type());
+  }
+
+  /// A weighted window rescales its earlier micro-batches' gradients at its last, which FSDP has reduce-scattered by
+  /// then where it syncs every micro-batch.
+  void refuse_sharded_window() {
+    using S = std::remove_reference_t<decltype(p_.strategy)>;
+    if constexpr (requires { S::layout_type::stage; }) {
+      if (S::layout_type::stage == 3 && p_.strategy.sync_every_micro_batch()) {
+        throw ConfigError("volt: weigh_loss with accumulate_grad_batches > 1 under FSDP, which reduce-scatters each "
+                          "micro-batch's gradients as it ends, before the window's units are all known; call "
+                          "trainer.strategy().set_sync_every_micro_batch(false) to accumulate them locally, as DDP.");
+      }
+    }
   }
 
   StepParts<T> p_;

@@ -10,6 +10,7 @@
 /// | `static constexpr bool needs_bf16_autocast` | the accelerator must have `has_bf16_autocast` |
 /// | `static constexpr bool converts_inputs` | floating tensors of each batch are cast to `input_dtype` |
 /// | `static constexpr torch::Dtype input_dtype` | (read only when `converts_inputs`) |
+/// | `static constexpr std::optional<torch::Dtype> compute_dtype` (optional; none: as the parameters are) | the dtype a strategy that gathers the parameters for each forward gathers them in (FSDP: FSDP2's `MixedPrecisionPolicy.param_dtype`; Bf16Mixed: bfloat16); the optimizer still steps float32 pieces and gradients are still reduced in float32 |
 /// | `forward_context(c10::DeviceType) -> guard` | an RAII object alive around each step (autocast, default dtype) |
 /// | `convert_module(torch::nn::Module&)` | once, after the strategy placed the module ("true" precisions cast it) |
 /// | `backward(const torch::Tensor& loss)` | runs backward (Fp16Mixed scales the loss first) |
@@ -32,6 +33,7 @@
 #include <concepts>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -66,6 +68,7 @@ struct PrecisionDefaults {
   static constexpr bool converts_inputs = false;
   static constexpr torch::Dtype input_dtype = torch::kFloat32;
   static constexpr bool scales_loss = false;
+  static constexpr std::optional<torch::Dtype> compute_dtype = std::nullopt;
 
   NoGuard forward_context(c10::DeviceType) { return {}; }
   void convert_module(torch::nn::Module&) {}
@@ -88,6 +91,16 @@ struct PrecisionDefaults {
 };
 
 namespace detail {
+
+/// Precision `P`'s `compute_dtype`, none where it declares none.
+template <class P>
+inline constexpr std::optional<torch::Dtype> compute_dtype_of = [] {
+  if constexpr (requires { P::compute_dtype; }) {
+    return std::optional<torch::Dtype>(P::compute_dtype);
+  } else {
+    return std::optional<torch::Dtype>();
+  }
+}();
 
 /// Whether precision `P` keeps PrecisionDefaults' agree_found_inf, which agrees on nothing (rules.hpp refuses that for
 /// a precision that scales the loss under a strategy that shards the gradients).

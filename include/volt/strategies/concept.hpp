@@ -17,6 +17,7 @@
 /// | `launch(body, transfer&) -> body's result` | the same for `fit`; `transfer` packs rank 0's result where it is computed and unpacks it in the calling process (Spawn), see detail/fit_transfer.hpp |
 /// | `setup_environment(torch::Device)` | process group, device selection (lazy: phase (c)) |
 /// | `setup_module(torch::nn::Module&)` | places the module (and broadcasts it, in data parallelism) |
+/// | `set_compute_dtype(std::optional<torch::Dtype>)` | after it, the precision's `compute_dtype`: FSDP gathers the parameters in it for each forward |
 /// | `process_dataloader(loader, Stage) -> loader` | shards, wraps or returns the loader as it is |
 /// | `module_state(const torch::nn::Module&, bool on_device) -> c10::Dict<std::string, at::Tensor>` | collective: the module's whole state (parameters and buffers by dotted name) for rank zero's checkpoint, empty on the other ranks; throws a `CheckpointError` where one file cannot hold the model (ManualParallel on several ranks); `on_device`: the tensors left where they are |
 /// | `load_module_state(torch::nn::Module&, const checkpoint::Dict&)` | every rank loads such a whole state (checked against the module before) into what it holds |
@@ -59,6 +60,7 @@
 #include <concepts>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,6 +114,7 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
   s.launch(detail::ProbeBody{}, transfer);
   s.setup_environment(torch::Device(torch::kCPU));
   s.setup_module(m);
+  s.set_compute_dtype(std::optional<torch::Dtype>());
   s.process_dataloader(loader, Stage::train);
   { s.module_state(m, false) } -> std::convertible_to<c10::Dict<std::string, at::Tensor>>;
   s.load_module_state(m, state);
@@ -155,6 +158,8 @@ struct StrategyDefaults {
   c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device) {
     return checkpoint::module_state(module, on_device);
   }
+  /// Parameters used as they are stored.
+  void set_compute_dtype(std::optional<torch::Dtype> /*dtype*/) {}
   /// A world of one: the state copied into the module (checkpoint::load_module_state).
   void load_module_state(torch::nn::Module& module, const checkpoint::Dict& state) {
     checkpoint::load_module_state(module, state);

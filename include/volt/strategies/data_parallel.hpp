@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -129,6 +130,16 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   /// one all-gather fewer per unit and step). Takes effect at the next fit.
   void set_reshard_after_forward(bool reshard) { reshard_after_forward_ = reshard; }
   bool reshard_after_forward() const { return reshard_after_forward_; }
+  /// FSDP: whether every micro-batch of an accumulation window has its gradients reduce-scattered into this rank's
+  /// shards (default: no rank holds a window's unsharded gradients, at one reduce-scatter per unit and micro-batch), or
+  /// only the last, the others accumulating in the module's `.grad` as DDP's do (needed by `Context::weigh_loss` with
+  /// accumulation). FSDP2's `set_requires_gradient_sync`. Takes effect at the next fit.
+  void set_sync_every_micro_batch(bool every) { sync_every_micro_batch_ = every; }
+  bool sync_every_micro_batch() const { return sync_every_micro_batch_; }
+  /// FSDP: the dtype the units' parameters are gathered in for each forward (none: as stored); the Trainer sets the
+  /// precision's `compute_dtype` (Bf16Mixed: bfloat16). Takes effect at the next fit.
+  void set_compute_dtype(std::optional<torch::Dtype> dtype) { compute_dtype_ = dtype; }
+  std::optional<torch::Dtype> compute_dtype() const { return compute_dtype_; }
   /// FSDP: the module's whole state gathered unit by unit, on rank zero (elsewhere empty).
   c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device) {
     if constexpr (requires { holder_.module_state(*this, module, on_device); }) {
@@ -149,6 +160,16 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   /// Bytes of gradients this rank holds between steps, during a fit: the module's `.grad` and the layout's buffers;
   /// not the optimizer's state.
   std::size_t gradient_bytes() const { return holder_.gradient_bytes(); }
+  /// Bytes of parameters this rank holds now (FSDP: its shards and the units gathered at this moment).
+  std::size_t parameter_bytes() const {
+    if constexpr (requires { holder_.parameter_bytes(); }) {
+      return holder_.parameter_bytes();
+    } else {
+      std::size_t bytes = 0;
+      for (const auto& p : params_) bytes += detail::bytes_of(p);
+      return bytes;
+    }
+  }
   /// The gradient buckets of the running or last fit (parameter indices in fill order); empty before the first
   /// backward.
   std::vector<std::vector<std::size_t>> bucket_layout() const { return holder_.bucket_layout(); }
@@ -166,6 +187,8 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   std::size_t first_bucket_bytes_ = detail::kFirstBucketBytes;
   std::size_t bucket_bytes_ = detail::kBucketBytes;
   bool reshard_after_forward_ = true;
+  bool sync_every_micro_batch_ = true;
+  std::optional<torch::Dtype> compute_dtype_;
   bool warned_ = false;
 };
 

@@ -141,9 +141,12 @@ class Reducer {
   }
 
   /// Before backward: `sync` arms the hooks (the micro-batch that steps); otherwise gradients only accumulate.
-  void prepare(bool sync) {
+  /// `add_to_blocks` (to blocks): this backward's averages are added to the blocks' (a fully sharded strategy's later
+  /// micro-batches of a window, each reduce-scattered) instead of replacing them.
+  void prepare(bool sync, bool add_to_blocks = false) {
     adopt();
     armed_ = sync;
+    add_to_blocks_ = add_to_blocks;
     if (!armed_ && !on_ready_) return;  // (a bucket's readiness is still told where asked: FSDP frees its unit then)
     next_launch_ = 0;
     in_flight_.clear();
@@ -312,7 +315,8 @@ class Reducer {
     Bucket& b = buckets_[i];
     b.work.wait();
     if (sync_ != GradSync::reduce_scatter_to_blocks) return;
-    blocks_[i].copy_(block_of(b.flat, backend_->rank(), world_size_));
+    const torch::Tensor mine = block_of(b.flat, backend_->rank(), world_size_);
+    add_to_blocks_ ? blocks_[i].add_(mine) : blocks_[i].copy_(mine);
     b.flat = torch::Tensor();
   }
 
@@ -342,11 +346,14 @@ class Reducer {
     }
   }
 
-  /// A backward that only accumulates: parameter `i`'s gradient stays in `.grad`; its bucket is told ready (on_ready_)
-  /// once every gradient it counts arrived.
+  /// A backward that only accumulates: parameter `i`'s gradient stays in `.grad`, in the bucket's dtype (FSDP's
+  /// bfloat16 parameters have their gradients accumulated in float32, as FSDP2 does); its bucket is told ready
+  /// (on_ready_) once every gradient it counts arrived.
   void on_local_grad(std::size_t i) {
     if (!on_ready_) return;
     Bucket& b = buckets_[bucket_of_[i]];
+    torch::Tensor& grad = params_[i].mutable_grad();
+    if (grad.defined() && grad.dtype() != b.options.dtype()) grad = grad.to(b.options.dtype());
     const std::size_t k = slot_of_[i];
     if (b.arrived[k] || !b.taking_part[k]) return;
     b.arrived[k] = 1;
@@ -386,6 +393,7 @@ class Reducer {
   int64_t offset_ = 0;
   std::size_t next_launch_ = 0;
   bool armed_ = false;
+  bool add_to_blocks_ = false;
 };
 
 }  // namespace volt::detail

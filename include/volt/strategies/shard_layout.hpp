@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -55,21 +56,18 @@ class ShardLayout {
  public:
   /// Copies every bucket's parameters into one flat buffer and makes each parameter a view into it. `apart` (stage 3):
   /// this rank's block of each bucket is copied out into a shard of its own, which the pieces share, so that the
-  /// bucket's storage can be freed between uses (`free`, `fill`).
+  /// bucket's storage can be freed between uses (`free`, `fill`); the bucket (and so the parameters) may then be of
+  /// another dtype than the shards (`gathered`: the dtype the forward computes in), filled by casting them.
   template <class Bucket>
   ShardLayout(const std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params, int rank, int world,
-              bool apart = false)
+              bool apart = false, std::optional<torch::Dtype> gathered = std::nullopt)
       : rank_(rank), world_(world), locations_(params.size()) {
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < buckets.size(); ++i) {
       const Bucket& b = buckets[i];
       at::Tensor flat = torch::zeros({b.numel}, params[b.members.front()].options().requires_grad(false));
       for (std::size_t k = 0; k < b.members.size(); ++k) {
-        at::Tensor p = params[b.members[k]];
-        at::Tensor view = flat.narrow(0, b.offsets[k], p.numel());
-        view.copy_(p.detach().reshape(-1));
-        p.set_data(view.view(p.sizes()));
-        locations_[b.members[k]] = Location{i, b.offsets[k], true};
+        flat.narrow(0, b.offsets[k], params[b.members[k]].numel()).copy_(params[b.members[k]].detach().reshape(-1));
       }
       const Blocks blocks{b.numel, world};
       if (apart) shards_.push_back(flat.narrow(0, blocks.start(rank), blocks.size()).clone());
@@ -77,6 +75,12 @@ class ShardLayout {
       const int64_t base_start = apart ? blocks.start(rank) : 0;
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         add_piece(i, k, b.members[k], b.offsets[k], params[b.members[k]].numel(), base, base_start, blocks);
+      }
+      if (apart && gathered && *gathered != flat.scalar_type()) flat = flat.to(*gathered);
+      for (std::size_t k = 0; k < b.members.size(); ++k) {
+        at::Tensor p = params[b.members[k]];
+        p.set_data(flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
+        locations_[b.members[k]] = Location{i, b.offsets[k], true};
       }
       flats_.push_back(std::move(flat));
     }
@@ -113,8 +117,8 @@ class ShardLayout {
   bool holds(std::size_t bucket) const { return flats_[bucket].storage().nbytes() > 0; }
   /// Stage 3: bucket `bucket`'s storage freed; the parameters and autograd's saved views of them keep pointing at it.
   void free(std::size_t bucket) { resize_storage(flats_[bucket], 0); }
-  /// Stage 3: bucket `bucket`'s storage made again and this rank's shard put in its block (an in-place all-gather of
-  /// the bucket then fills the rest).
+  /// Stage 3: bucket `bucket`'s storage made again and this rank's shard put in its block, cast to the bucket's dtype
+  /// (an in-place all-gather of the bucket then fills the rest).
   void fill(std::size_t bucket) {
     const at::Tensor& flat = flats_[bucket];
     resize_storage(flat, static_cast<std::size_t>(flat.numel()) * flat.element_size());

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -63,6 +64,8 @@ class ShardedHolder {
     if constexpr (Stage == 3) {  // the first step runs whole, as DDP, and records the units (lay_out)
       reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), first, others);
       units_ = std::make_unique<UnitScheduler<B>>(g.backend(), g.reshard_after_forward());
+      compute_dtype_ = g.compute_dtype();
+      sync_every_micro_batch_ = g.sync_every_micro_batch();
       std::vector<std::vector<at::Tensor>> full;
       for (auto& group : optimizer.param_groups()) full.push_back(group.params());
       full_params_[&optimizer] = std::move(full);
@@ -84,15 +87,23 @@ class ShardedHolder {
   void zero_grad(G& /*strategy*/, torch::optim::Optimizer& optimizer) {
     detail::zero_grad(optimizer);
     detail::zero_grad(params_, /*keep_tensors=*/false);
+    window_started_ = false;
   }
 
+  /// Stage 3, once laid out, where `sync_every_micro_batch` (the default): every micro-batch's gradients are
+  /// reduce-scattered, the window's first replacing the blocks and the others added to them, so that no rank ever holds
+  /// the unsharded gradients of a window (FSDP2's default; off: they accumulate in `.grad` until the last, as DDP).
   template <class G>
   void pre_backward(G& /*strategy*/, bool sync) {
     if (!reducer_) throw std::logic_error("volt: ZeRO's backward ran before setup_optimizer laid the parameters out.");
     if (units_) units_->begin_backward();
     if (sync && shards_) shards_->check_aliasing(params_);
     synced_ = sync;
-    reducer_->prepare(sync);
+    if (Stage == 3 && shards_ && sync_every_micro_batch_) {
+      reducer_->prepare(/*sync=*/true, /*add_to_blocks=*/std::exchange(window_started_, true));
+    } else {
+      reducer_->prepare(sync);
+    }
   }
   /// After a synchronised backward: the pieces' gradients are this rank's averaged blocks (stage 3's first step: the
   /// module's `.grad`, averaged whole).
@@ -151,13 +162,14 @@ class ShardedHolder {
   /// Stage 3, after a fit that completed: every unit gathered back into the module's parameters, which become tensors
   /// of their own again (the pieces keep the optimizer's state, for a save after the fit).
   template <class G>
-  void finish_fit(G& /*strategy*/) {
+  void finish_fit(G& g) {
     if (!units_ || !shards_) return;
-    torch::NoGradGuard no_grad;
+    units_->release_all();
     for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
-      units_->gather(i);
-      for (std::size_t j : reducer_->buckets()[i].members) params_[j].set_data(params_[j].detach().clone());
-      units_->release(i);
+      const at::Tensor whole = whole_bucket(g, i);
+      for (std::size_t j : reducer_->buckets()[i].members) {
+        params_[j].set_data(whole.narrow(0, shards_->location(j).offset, params_[j].numel()).view(params_[j].sizes()).clone());
+      }
     }
     units_.reset();
     whole_ = true;
@@ -197,6 +209,20 @@ class ShardedHolder {
   }
   /// Bytes of gradients this rank holds between steps: the module's `.grad`, the buckets' buffers and the blocks.
   std::size_t gradient_bytes() const { return reducer_ ? reducer_->gradient_bytes() : 0; }
+  /// Bytes of parameters this rank holds now, counted through the layout: the buckets that hold their storage (stage 3:
+  /// the units gathered), the shards (stage 3) and the parameters left out of the layout; before a layout, all.
+  std::size_t parameter_bytes() const {
+    std::size_t bytes = 0;
+    for (std::size_t j = 0; j < params_.size(); ++j) {
+      if (!shards_ || whole_ || !shards_->location(j).laid_out) bytes += bytes_of(params_[j]);
+    }
+    if (!shards_ || whole_) return bytes;
+    for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
+      if (shards_->holds(i)) bytes += bytes_of(shards_->flats()[i]);
+    }
+    for (const at::Tensor& shard : shards_->shards()) bytes += bytes_of(shard);
+    return bytes;
+  }
   std::vector<std::vector<std::size_t>> bucket_layout() const {
     return reducer_ ? reducer_->bucket_layout() : std::vector<std::vector<std::size_t>>();
   }
@@ -245,6 +271,18 @@ class ShardedHolder {
       works.push_back(g.backend().iall_gather_(flat));
     }
     for (auto& w : works) w.wait();
+  }
+  /// Stage 3, collective: bucket `bucket` whole, gathered from every rank's shard in the shards' dtype (float32 where
+  /// the forward gathers bfloat16: a checkpoint and the module after the fit get the values the optimizer steps).
+  template <class G>
+  at::Tensor whole_bucket(G& g, std::size_t bucket) const {
+    torch::NoGradGuard no_grad;
+    const at::Tensor& shard = shards_->shards()[bucket];
+    at::Tensor out = torch::empty({shards_->flats()[bucket].numel()}, shard.options());
+    block_of(out, g.global_rank(), g.world_size()).copy_(shard);
+    const BucketTag tag(static_cast<int>(bucket));
+    g.backend().all_gather_(out);
+    return out;
   }
   /// Sets every group's parameters of `optimizer` to `lists`, returning the lists it had.
   static Lists swap_params(torch::optim::Optimizer& optimizer, Lists lists) {
@@ -304,7 +342,10 @@ class ShardedHolder {
   std::unique_ptr<ShardLayout> shards_;
   std::unordered_map<const torch::optim::Optimizer*, Lists> full_params_;
   std::unique_ptr<UnitScheduler<B>> units_;  // stage 3, during a fit
+  std::optional<torch::Dtype> compute_dtype_;  // stage 3: the dtype units are gathered in (none: the parameters')
   bool synced_ = false;
+  bool window_started_ = false;          // stage 3: a backward of the accumulation window added to the blocks
+  bool sync_every_micro_batch_ = true;   // stage 3: each micro-batch's gradients reduce-scattered
   bool whole_ = false;  // stage 3: the parameters were gathered back after the fit
 };
 
@@ -456,13 +497,14 @@ void ShardedHolder<Stage, B>::lay_out(G& g, torch::optim::Optimizer& optimizer) 
                                           GradSync::reduce_scatter_to_blocks);
   reducer_->on_bucket_ready([units = units_.get()](std::size_t bucket) { units->bucket_done(bucket); });
   shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size(),
-                                          /*apart=*/true);
+                                          /*apart=*/true, compute_dtype_);
   torch::NoGradGuard no_grad;
-  for (const ShardPiece& piece : shards_->pieces()) {
+  for (const ShardPiece& piece : shards_->pieces()) {  // the pieces' gradients live in the blocks, as after any step
     const at::Tensor& grad = grads[piece.param];
-    if (grad.defined()) {
-      piece.tensor.mutable_grad() = grad.reshape(-1).narrow(0, piece.param_offset, piece.numel).clone();
-    }
+    if (!grad.defined()) continue;
+    at::Tensor& mine = piece.tensor.mutable_grad();
+    mine = alias(reducer_->blocks()[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket), piece.numel);
+    mine.copy_(grad.reshape(-1).narrow(0, piece.param_offset, piece.numel));
   }
   for (std::size_t j = 0; j < params_.size(); ++j) {
     if (shards_->location(j).laid_out) params_[j].mutable_grad() = at::Tensor();
@@ -484,14 +526,13 @@ c10::Dict<std::string, at::Tensor> ShardedHolder<Stage, B>::module_state(G& g, c
     return g.is_global_zero() ? checkpoint::module_state(module, on_device) : c10::Dict<std::string, at::Tensor>();
   }
   std::vector<at::Tensor> whole(params_.size());
-  torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
-    const bool held = shards_->holds(i);
-    units_->gather(i);
+    const at::Tensor bucket = whole_bucket(g, i);
+    if (!g.is_global_zero()) continue;
     for (std::size_t j : reducer_->buckets()[i].members) {
-      if (g.is_global_zero()) whole[j] = on_device ? params_[j].detach().clone() : params_[j].detach().cpu().clone();
+      const at::Tensor t = bucket.narrow(0, shards_->location(j).offset, params_[j].numel()).view(params_[j].sizes());
+      whole[j] = on_device ? t.clone() : t.cpu().clone();
     }
-    if (!held) units_->release(i);
   }
   c10::Dict<std::string, at::Tensor> out;
   if (!g.is_global_zero()) return out;

@@ -115,6 +115,7 @@ void Trainer<S, P, A, Cs...>::setup_run(torch::nn::Module& module) {
   collectives_ = detail::StrategyCollectives<strategy_type>(&strategy_);
   state_.collectives = &collectives_;
   strategy_.setup_module(module);
+  strategy_.set_compute_dtype(detail::compute_dtype_of<precision_type>);
   precision_.convert_module(module);
 }
 

@@ -82,7 +82,9 @@ class CollectiveThread {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     int provided = MPI_THREAD_SINGLE;
     MPI_Query_thread(&provided);
-    if (const char* delay = std::getenv("VOLT_COLLECTIVE_DELAY_US")) delay_ = std::chrono::microseconds(parse_delay(delay));
+    if (const char* delay = std::getenv("VOLT_COLLECTIVE_DELAY_US")) {
+      delay_ = std::chrono::microseconds(parse_delay(delay));
+    }
     if (provided == MPI_THREAD_MULTIPLE) thread_ = std::thread([this] { loop(); });
   }
   CollectiveThread(const CollectiveThread&) = delete;

@@ -168,7 +168,8 @@ class ShardedHolder {
     for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
       const at::Tensor whole = whole_bucket(g, i);
       for (std::size_t j : reducer_->buckets()[i].members) {
-        params_[j].set_data(whole.narrow(0, shards_->location(j).offset, params_[j].numel()).view(params_[j].sizes()).clone());
+        const at::Tensor mine = whole.narrow(0, shards_->location(j).offset, params_[j].numel());
+        params_[j].set_data(mine.view(params_[j].sizes()).clone());
       }
     }
     units_.reset();
@@ -503,7 +504,8 @@ void ShardedHolder<Stage, B>::lay_out(G& g, torch::optim::Optimizer& optimizer) 
     const at::Tensor& grad = grads[piece.param];
     if (!grad.defined()) continue;
     at::Tensor& mine = piece.tensor.mutable_grad();
-    mine = alias(reducer_->blocks()[piece.bucket], piece.bucket_offset - shards_->block_start(piece.bucket), piece.numel);
+    const int64_t at = piece.bucket_offset - shards_->block_start(piece.bucket);
+    mine = alias(reducer_->blocks()[piece.bucket], at, piece.numel);
     mine.copy_(grad.reshape(-1).narrow(0, piece.param_offset, piece.numel));
   }
   for (std::size_t j = 0; j < params_.size(); ++j) {

@@ -6,12 +6,13 @@
 //
 //   gpt [--text DIR] [--layers N] [--width N] [--heads N] [--context N] [--batch N] [--accumulate N] [--steps N]
 //       [--lr X] [--warmup N] [--dropout X] [--checkpointing K] [--val-every N] [--val-batches N] [--sample N]
-//       [--device auto|cpu|cuda] [--strategy single|ddp|zero] [--devices N] [--out DIR] [--seed N]
+//       [--device auto|cpu|cuda] [--strategy single|ddp|zero|fsdp] [--devices N] [--out DIR] [--seed N]
 //
 // --text: a folder of .txt files (read in name order) or one file; default $VOLT_TEXT_DIR or ~/.cache/volt/shakespeare
 // (`bash scripts/install-text.sh` puts the plays there). --checkpointing K: every K-th block recomputes its
-// activations in backward (0: none, 1: all). --strategy ddp|zero: DDP or ZeRO<2> over --devices processes (on the CPU
-// the program starts its copies itself, or runs as one rank of mpirun/srun; on GPUs one worker per GPU).
+// activations in backward (0: none, 1: all). --strategy ddp|zero|fsdp: DDP, ZeRO<2> or FSDP (each block a unit whose
+// parameters are gathered as it runs: gpt_model.hpp) over --devices processes (on the CPU the program starts its
+// copies itself, or runs as one rank of mpirun/srun; on GPUs one worker per GPU).
 // The defaults train a 4-layer, 128-wide model on the CPU in a few minutes. Exits with 77 when there is no text.
 
 #include <torch/torch.h>
@@ -91,6 +92,11 @@ int train(const Args& args, const std::vector<std::string>& texts) {
                                            {"batch", static_cast<double>(args.batch)}, {"lr", args.lr},
                                            {"checkpointing", static_cast<double>(args.checkpointing)}},
                                .hparam_metrics = {"val_loss"}}));
+  // The loss is weighed by tokens over each accumulation window, so its micro-batches' gradients wait on each rank
+  // until the window's last (FSDP's default reduce-scatters each as it ends).
+  if constexpr (requires { trainer.strategy().set_sync_every_micro_batch(false); }) {
+    if (args.accumulate > 1) trainer.strategy().set_sync_every_micro_batch(false);
+  }
   if (trainer.is_global_zero()) {
     std::cout << "text: " << texts.size() << " files, " << rows.size(0) << " windows of " << args.context
               << " tokens, vocabulary " << vocab.size() << "; model: " << args.layers << " layers, width "
@@ -114,8 +120,8 @@ int train(const Args& args, const std::vector<std::string>& texts) {
 int usage() {
   std::cerr << "usage: gpt [--text DIR] [--layers N] [--width N] [--heads N] [--context N] [--batch N] "
                "[--accumulate N] [--steps N] [--lr X] [--warmup N] [--dropout X] [--checkpointing K] [--val-every N] "
-               "[--val-batches N] [--sample N] [--device auto|cpu|cuda] [--strategy single|ddp|zero] [--devices N] "
-               "[--out DIR] [--seed N]\n";
+               "[--val-batches N] [--sample N] [--device auto|cpu|cuda] [--strategy single|ddp|zero|fsdp] "
+               "[--devices N] [--out DIR] [--seed N]\n";
   return 2;
 }
 
@@ -130,6 +136,10 @@ int with_strategy(const Args& args, const std::vector<std::string>& texts) {
   if (args.strategy == "zero") {
     if (gpu && !external) return train<volt::ZeRO<2, volt::Spawn, Backend>, Precision, Accelerator>(args, texts);
     return train<volt::ZeRO<2, volt::Script, Backend>, Precision, Accelerator>(args, texts);
+  }
+  if (args.strategy == "fsdp") {
+    if (gpu && !external) return train<volt::FSDP<volt::Spawn, Backend>, Precision, Accelerator>(args, texts);
+    return train<volt::FSDP<volt::Script, Backend>, Precision, Accelerator>(args, texts);
   }
   return train<volt::SingleDevice, Precision, Accelerator>(args, texts);
 }
@@ -175,8 +185,8 @@ int main(int argc, char** argv) try {
     std::cerr << "gpt: --device " << args.device << " is not one of auto, cpu, cuda\n";
     return 2;
   }
-  if (args.strategy != "single" && args.strategy != "ddp" && args.strategy != "zero") {
-    std::cerr << "gpt: --strategy " << args.strategy << " is not one of single, ddp, zero\n";
+  if (args.strategy != "single" && args.strategy != "ddp" && args.strategy != "zero" && args.strategy != "fsdp") {
+    std::cerr << "gpt: --strategy " << args.strategy << " is not one of single, ddp, zero, fsdp\n";
     return 2;
   }
   if (args.heads < 1 || args.width % args.heads != 0 || args.checkpointing < 0 || args.steps < 1) {

@@ -4,11 +4,13 @@
 /// backward: `UnitScheduler` gathers each unit's parameters before the unit runs and frees them after, as FSDP2's
 /// hooks do, driven by the calls volt/units.hpp makes where the model runs its units.
 ///
-/// The first training step of a fit runs with the parameters whole, as DDP does, and records which units run in which
-/// order (every rank must agree: one all-reduce of the order's hash); before its optimizer step the parameters are laid
-/// out, one bucket per unit in the reverse of that order (backward's order) and the root unit (what no unit holds)
-/// last, each bucket padded to a multiple of the world size W; rank r keeps block r of each bucket (its shard, which
-/// the optimizer steps), and the bucket's storage is freed. From then on, per step:
+/// The first training forward of a fit runs with the parameters whole and records which units run in which order
+/// (every rank must agree: one all-reduce of the order's hash) as it ends, the gradient buckets are made: one per unit
+/// in the reverse of that order (backward's order) and the root unit (what no unit holds) last, each padded to a
+/// multiple of the world size W, so that the first backward already reduce-scatters each unit's gradients into this
+/// rank's blocks and drops them (the first step holds the parameters whole, never every gradient). Once that backward
+/// is over, the parameters are laid out in the buckets: rank r keeps block r of each (its shard, which the optimizer
+/// steps), and the bucket's storage is freed. From then on, per step:
 ///  - forward: the root is gathered as the step's forward starts (all-gather in place into the bucket); each unit is
 ///    gathered as it is entered (or was, ahead: entering unit k starts unit k+1's all-gather, at most
 ///    `kBucketsInFlight` gathers travelling) and freed as it is left (`reshard_after_forward`; off: kept to its
@@ -122,13 +124,15 @@ class UnitScheduler final : public UnitRuntime {
     if (layout_ != nullptr && root_ >= 0) gather(static_cast<std::size_t>(root_));
   }
   /// It ended: an evaluation's root is freed, and a training forward's where no backward follows (training keeps it
-  /// to the end of backward).
-  void end_forward(bool backward_follows) {
-    if (phase_ == Phase::forward && !trace_.empty()) trace_done_ = true;  // the first training forward is the trace
+  /// to the end of backward). True where it was the fit's first training forward, whose units are the trace.
+  bool end_forward(bool backward_follows) {
+    const bool traced = phase_ == Phase::forward && !trace_done_;
+    trace_done_ = trace_done_ || traced;
     if (phase_ == Phase::evaluate || !backward_follows) {
       release_all();
       phase_ = Phase::idle;
     }
+    return traced;
   }
   /// Backward starts: every recorded unit must have run.
   void begin_backward() {
@@ -146,7 +150,7 @@ class UnitScheduler final : public UnitRuntime {
   }
   /// The reducer's bucket `bucket` has all its gradients: a unit's backward is over, it is freed.
   void bucket_done(std::size_t bucket) {
-    if (static_cast<int64_t>(bucket) != root_) release(bucket);
+    if (layout_ != nullptr && static_cast<int64_t>(bucket) != root_) release(bucket);
   }
 
   int64_t enter(const torch::nn::Module& unit) override;

@@ -61,9 +61,9 @@ class ShardedHolder {
     }
     params_ = g.module_parameters();
     const auto [first, others] = g.bucket_bytes();
-    if constexpr (Stage == 3) {  // the first step runs whole, as DDP, and records the units (lay_out)
-      reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), first, others);
+    if constexpr (Stage == 3) {  // the first forward runs whole and records the units (unit_reducer, lay_out)
       units_ = std::make_unique<UnitScheduler<B>>(g.backend(), g.reshard_after_forward());
+      optimizer_ = &optimizer;
       compute_dtype_ = g.compute_dtype();
       sync_every_micro_batch_ = g.sync_every_micro_batch();
       std::vector<std::vector<at::Tensor>> full;
@@ -95,23 +95,28 @@ class ShardedHolder {
   /// the unsharded gradients of a window (FSDP2's default; off: they accumulate in `.grad` until the last, as DDP).
   template <class G>
   void pre_backward(G& /*strategy*/, bool sync) {
-    if (!reducer_) throw std::logic_error("volt: ZeRO's backward ran before setup_optimizer laid the parameters out.");
+    if (!reducer_) {
+      throw std::logic_error("volt: a sharded (ZeRO, FSDP) backward ran before its buckets were laid out (FSDP: a backward "
+                             "without a training forward before it).");
+    }
     if (units_) units_->begin_backward();
     if (sync && shards_) shards_->check_aliasing(params_);
     synced_ = sync;
-    if (Stage == 3 && shards_ && sync_every_micro_batch_) {
+    if (Stage == 3 && sync_every_micro_batch_) {
       reducer_->prepare(/*sync=*/true, /*add_to_blocks=*/std::exchange(window_started_, true));
     } else {
       reducer_->prepare(sync);
     }
   }
-  /// After a synchronised backward: the pieces' gradients are this rank's averaged blocks (stage 3's first step: the
-  /// module's `.grad`, averaged whole).
+  /// After a synchronised backward: the pieces' gradients are this rank's averaged blocks (stage 3's first such backward
+  /// lays the parameters out first).
   template <class G>
-  void post_backward(G& /*strategy*/) {
+  void post_backward(G& g) {
     reducer_->finish();
     if (units_) units_->end_backward();
-    if (!shards_) synced_ = false;
+    if constexpr (Stage == 3) {
+      if (synced_ && !shards_) lay_out(g, *optimizer_);  // the first step's backward is over: the parameters go
+    }
     if (!synced_) return;
     synced_ = false;
     const auto& buckets = reducer_->buckets();
@@ -134,7 +139,7 @@ class ShardedHolder {
   /// step).
   template <class G>
   void clip_gradients(G& g, const std::vector<at::Tensor>& module_params, double value, ClipAlgorithm algorithm) {
-    if (!shards_) return detail::clip_gradients(module_params, value, algorithm);  // stage 3's first step: whole
+    if (!shards_) return detail::clip_gradients(module_params, value, algorithm);
     std::vector<at::Tensor> pieces;
     for (const ShardPiece& piece : shards_->pieces()) pieces.push_back(piece.tensor);
     detail::clip_gradients(pieces, value, algorithm, NormOverRanks<G>{&g});
@@ -143,9 +148,6 @@ class ShardedHolder {
   /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.
   template <class G, class P>
   bool optimizer_step(G& g, P& precision, torch::optim::Optimizer& optimizer) {
-    if constexpr (Stage == 3) {
-      if (!shards_) lay_out(g, optimizer);
-    }
     precision.agree_found_inf(optimizer, [&](at::Tensor& found) { g.backend().all_reduce_(found, Reduce::max); });
     const bool stepped = precision.optimizer_step(optimizer);
     if (stepped && Stage < 3) gather_parameters(g);  // stage 3: each unit is gathered where it runs
@@ -154,10 +156,12 @@ class ShardedHolder {
 
   /// Stage 3: the root unit gathered for a forward (the units as they run: strategies/fully_sharded.hpp).
   template <class G>
-  ForwardScope forward_scope(G& /*strategy*/, volt::Stage stage) {
+  ForwardScope forward_scope(G& g, volt::Stage stage) {
     if (!units_) return ForwardScope();
     units_->begin_forward(stage);
-    return ForwardScope([units = units_.get()](bool backward_follows) { units->end_forward(backward_follows); });
+    return ForwardScope([this, &g](bool backward_follows) {
+      if (units_->end_forward(backward_follows)) unit_reducer(g);
+    });
   }
   /// Stage 3, after a fit that completed: every unit gathered back into the module's parameters, which become tensors
   /// of their own again (the pieces keep the optimizer's state, for a save after the fit).
@@ -239,6 +243,8 @@ class ShardedHolder {
     full_params_.clear();
     whole_ = false;
   }
+  template <class G>
+  void unit_reducer(G& g);
   template <class G>
   void lay_out(G& g, torch::optim::Optimizer& optimizer);
   /// `params` with each laid-out module parameter replaced by this rank's piece of it (none: left out); a tensor that
@@ -343,6 +349,7 @@ class ShardedHolder {
   std::unique_ptr<ShardLayout> shards_;
   std::unordered_map<const torch::optim::Optimizer*, Lists> full_params_;
   std::unique_ptr<UnitScheduler<B>> units_;  // stage 3, during a fit
+  torch::optim::Optimizer* optimizer_ = nullptr;  // stage 3: the fit's (automatic optimization: one)
   std::optional<torch::Dtype> compute_dtype_;  // stage 3: the dtype units are gathered in (none: the parameters')
   bool synced_ = false;
   bool window_started_ = false;          // stage 3: a backward of the accumulation window added to the blocks
@@ -480,37 +487,29 @@ auto ShardedHolder<Stage, B>::cut_states(torch::optim::Optimizer& optimizer, con
   return cut;
 }
 
-/// Stage 3, before the first optimizer step of a fit: the units the first step recorded become the buckets; the
-/// parameters are laid out in them, each rank keeping its shards; the first step's gradients (averaged whole, in the
-/// module's `.grad`) are cut into the pieces'; the optimizer is given the pieces, with its state cut likewise where a
-/// resume loaded one; every bucket's storage is freed.
+/// Stage 3, as the fit's first training forward ends (every rank at once): the units it recorded become the reducer's
+/// buckets, so that its backward already reduce-scatters each unit's gradients into this rank's blocks as they arrive
+/// (no rank holds every gradient, even in the first step, which still runs with the parameters whole).
 template <int Stage, class B>
 template <class G>
-void ShardedHolder<Stage, B>::lay_out(G& g, torch::optim::Optimizer& optimizer) {
+void ShardedHolder<Stage, B>::unit_reducer(G& g) {
   auto groups = units_->groups(params_, [&](int64_t mine) {
     const at::Tensor both = g.all_reduce(torch::tensor({mine, -mine}, torch::kLong), Reduce::max).cpu();
     return std::pair<int64_t, int64_t>(-both[1].template item<int64_t>(), both[0].template item<int64_t>());
   });
-  std::vector<at::Tensor> grads;
-  for (const at::Tensor& p : params_) grads.push_back(p.grad());
-  reducer_.reset();  // the first step's hooks off before the parameters move
   reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), std::move(groups),
                                           GradSync::reduce_scatter_to_blocks);
   reducer_->on_bucket_ready([units = units_.get()](std::size_t bucket) { units->bucket_done(bucket); });
+}
+
+/// Stage 3, once the fit's first synchronised backward is over: the parameters are laid out in the reducer's buckets,
+/// each rank keeping its shards (the pieces' gradients are its blocks, as after every backward); the optimizer is given
+/// the pieces, with its state cut likewise where a resume loaded one; every bucket's storage is freed.
+template <int Stage, class B>
+template <class G>
+void ShardedHolder<Stage, B>::lay_out(G& g, torch::optim::Optimizer& optimizer) {
   shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size(),
                                           /*apart=*/true, compute_dtype_);
-  torch::NoGradGuard no_grad;
-  for (const ShardPiece& piece : shards_->pieces()) {  // the pieces' gradients live in the blocks, as after any step
-    const at::Tensor& grad = grads[piece.param];
-    if (!grad.defined()) continue;
-    at::Tensor& mine = piece.tensor.mutable_grad();
-    const int64_t at = piece.bucket_offset - shards_->block_start(piece.bucket);
-    mine = alias(reducer_->blocks()[piece.bucket], at, piece.numel);
-    mine.copy_(grad.reshape(-1).narrow(0, piece.param_offset, piece.numel));
-  }
-  for (std::size_t j = 0; j < params_.size(); ++j) {
-    if (shards_->location(j).laid_out) params_[j].mutable_grad() = at::Tensor();
-  }
   with_state_codec(optimizer, [&](auto codec) {
     States cut = optimizer.state().empty() ? States() : cut_states<decltype(codec)>(optimizer, "the resumed state");
     drop_full_states(optimizer);

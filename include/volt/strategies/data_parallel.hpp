@@ -148,6 +148,15 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
       return detail::ProcessGroupStrategy<L, B>::module_state(module, on_device);
     }
   }
+  /// FSDP, collective: parameter `j`'s gradients of the running accumulation window, where they are not in its `.grad`
+  /// (each micro-batch reduce-scattered): their average so far, for a checkpoint; undefined elsewhere.
+  at::Tensor window_gradient(std::size_t j) {
+    if constexpr (requires { holder_.window_gradient(*this, j); }) {
+      return holder_.window_gradient(*this, j);
+    } else {
+      return at::Tensor();
+    }
+  }
   /// FSDP: each rank keeps its shard of the whole state given.
   void load_module_state(torch::nn::Module& module, const checkpoint::Dict& state) {
     if constexpr (requires { holder_.load_module_state(*this, module, state); }) {

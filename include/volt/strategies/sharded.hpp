@@ -179,6 +179,18 @@ class ShardedHolder {
     units_.reset();
     whole_ = true;
   }
+  /// Stage 3, collective, for a checkpoint saved inside an accumulation window whose micro-batches were each
+  /// reduce-scattered (`sync_every_micro_batch`): parameter `j`'s gradients averaged over the ranks so far, which every
+  /// rank then keeps as its own accumulated gradient (resumed on any layout, each rank adds its next micro-batches'
+  /// to it and the ranks' average ends on the window's); undefined where the module's `.grad` holds them (as DDP's).
+  template <class G>
+  at::Tensor window_gradient(G& g, std::size_t j) const {
+    if (Stage < 3 || !shards_ || whole_ || !sync_every_micro_batch_ || !window_started_) return at::Tensor();
+    const auto& where = shards_->location(j);
+    if (!where.laid_out) return at::Tensor();
+    const at::Tensor whole = gathered(g, where.bucket, reducer_->blocks()[where.bucket]);
+    return whole.narrow(0, where.offset, params_[j].numel()).view(params_[j].sizes()).clone();
+  }
   /// Stage 3: the module's state gathered unit by unit onto rank zero (empty elsewhere); whole after the fit.
   template <class G>
   c10::Dict<std::string, at::Tensor> module_state(G& g, const torch::nn::Module& module, bool on_device);
@@ -283,8 +295,12 @@ class ShardedHolder {
   /// the forward gathers bfloat16: a checkpoint and the module after the fit get the values the optimizer steps).
   template <class G>
   at::Tensor whole_bucket(G& g, std::size_t bucket) const {
+    return gathered(g, bucket, shards_->shards()[bucket]);
+  }
+  /// Collective: bucket `bucket` whole from every rank's block `shard` of it (a shard, or a block of gradients).
+  template <class G>
+  at::Tensor gathered(G& g, std::size_t bucket, const at::Tensor& shard) const {
     torch::NoGradGuard no_grad;
-    const at::Tensor& shard = shards_->shards()[bucket];
     at::Tensor out = torch::empty({shards_->flats()[bucket].numel()}, shard.options());
     block_of(out, g.global_rank(), g.world_size()).copy_(shard);
     const BucketTag tag(static_cast<int>(bucket));

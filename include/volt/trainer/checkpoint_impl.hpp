@@ -39,11 +39,16 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
     for (auto& o : optim_) optimizers.push_back(strategy_.optimizer_state(o.optimizer()));  // ZeRO gathers its pieces
     for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
     // Gradients accumulated so far in this window, or (manual optimization) the module's gradients.
+    // (FSDP, whose window's micro-batches were reduce-scattered as they came: their average, the same on every rank.)
     if (progress_.keeps_grads || (progress_.in_train_batch && progress_.mid_window)) {
-      for (const auto& p : params_) {
-        const at::Tensor defined = gather_ranks(torch::tensor({p.grad().defined() ? 1 : 0}, torch::kUInt8)).flatten();
+      for (std::size_t j = 0; j < params_.size(); ++j) {
+        at::Tensor g = params_[j].grad();
+        if constexpr (requires { strategy_.window_gradient(j); }) {
+          if (at::Tensor w = strategy_.window_gradient(j); w.defined()) g = std::move(w);
+        }
+        const at::Tensor defined = gather_ranks(torch::tensor({g.defined() ? 1 : 0}, torch::kUInt8)).flatten();
         grads.push_back(checkpoint::grad_to_state(defined, [&] {
-          return gather_ranks(p.grad().defined() ? p.grad().detach() : torch::zeros_like(p));
+          return gather_ranks(g.defined() ? g.detach() : torch::zeros_like(params_[j]));
         }));
       }
     }

@@ -11,14 +11,22 @@
 // time; then the ratios to DDP (state and gradient bytes, peak memory and its growth, steps per second). The growth is
 // what the strategy changes: the peak adds LibTorch's, MPI's and the data's resident memory, the same for all. The
 // model state is the three byte counts together (DDP's: 16 bytes a parameter with Adam in float32).
+//
+//   zero --fit-once ddp|zero2|fsdp [--width N] [--hidden N] [--steps N] [--warmup N]
+// One fit of one strategy (bench/zero_capacity.sh runs it under a per-rank memory limit): each rank first joins the
+// memory cgroup $VOLT_BENCH_CGROUP/rank<R> where that is set, so that what it allocates from then on counts against
+// the limit; rank 0 prints one JSON line once the fit is over.
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
 #include "common.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -131,14 +139,50 @@ Figures run(const Config& c, bool reshard = true) {
           largest(peak - start_rss)};
 }
 
+/// Moves this process into the memory cgroup $VOLT_BENCH_CGROUP/rank<R> (R: its rank under mpirun), if that is set.
+void join_rank_cgroup() {
+  const char* parent = std::getenv("VOLT_BENCH_CGROUP");
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (parent == nullptr) return;
+  const std::string procs = std::string(parent) + "/rank" + (rank ? rank : "0") + "/cgroup.procs";
+  std::ofstream out(procs);
+  out << getpid() << std::endl;
+  if (!out) {
+    std::cerr << "zero: could not join the memory cgroup " << procs << "\n";
+    std::exit(2);
+  }
+}
+
+/// --fit-once: one fit of `strategy`; rank 0 prints the parameters and the model state a rank held.
+int fit_once(const Config& c, const std::string& strategy) {
+  Figures f{};
+  if (strategy == "ddp") f = run<volt::DDP<volt::Script, volt::Mpi>>(c);
+  else if (strategy == "zero2") f = run<volt::ZeRO<2, volt::Script, volt::Mpi>>(c);
+  else if (strategy == "fsdp") f = run<volt::FSDP<volt::Script, volt::Mpi>>(c);
+  else {
+    std::cerr << "zero: --fit-once takes ddp, zero2 or fsdp, got " << strategy << "\n";
+    return 2;
+  }
+  if (rank_zero) {
+    std::cout << "{\"bench\":\"zero_fit_once\",\"strategy\":\"" << strategy << "\",\"world_size\":" << c.devices
+              << ",\"parameters\":" << parameters << ",\"hidden\":" << c.hidden << ",\"width\":" << c.width
+              << ",\"model_state_bytes\":" << f.param_bytes + f.grad_bytes + f.state_bytes
+              << ",\"peak_rss_bytes\":" << f.peak_bytes << "}" << std::endl;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  join_rank_cgroup();
   at::set_num_threads(1);
   Config c;
+  std::string once;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--devices") c.devices = std::stoi(v);
+    if (a == "--fit-once") once = v;
+    else if (a == "--devices") c.devices = std::stoi(v);
     else if (a == "--rounds") c.rounds = std::stoi(v);
     else if (a == "--steps") c.steps = std::stoll(v);
     else if (a == "--warmup") c.warmup = std::stoll(v);
@@ -147,7 +191,7 @@ int main(int argc, char** argv) {
     else if (a == "--bucket-mb") c.bucket_mb = std::stoll(v);
     else {
       std::cerr << "zero: unknown argument " << a << "; allowed: --devices W --rounds N --steps N --warmup N "
-                << "--width N --hidden N --bucket-mb N\n";
+                << "--width N --hidden N --bucket-mb N --fit-once ddp|zero2|fsdp\n";
       return 2;
     }
   }
@@ -159,6 +203,7 @@ int main(int argc, char** argv) {
     const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
     c.devices = size != nullptr ? std::stoi(size) : 2;
   }
+  if (!once.empty()) return fit_once(c, once);
   const int devices = c.devices, rounds = c.rounds;
   using Ddp = volt::DDP<volt::Script, volt::Mpi>;
   using Zero1 = volt::ZeRO<1, volt::Script, volt::Mpi>;

@@ -61,6 +61,7 @@ volt_distributed_test(dist.profiler.mpirun ${volt_mpirun} ${dist} profiler)
 volt_distributed_test(dist.checkpointing.mpirun ${volt_mpirun} ${dist} checkpointing)
 volt_distributed_test(dist.weighted_loss.mpirun ${volt_mpirun} ${dist} weighted-loss)
 volt_distributed_test(dist.manual_refusals.mpirun ${volt_mpirun} ${dist} manual-refusals)
+volt_distributed_test(dist.fsdp.weigh_loss_refused ${dist} expect-failure 60 "set_sync_every_micro_batch(false) to accumulate them locally" -- ${volt_mpirun} ${dist} fsdp-weigh-loss)
 volt_distributed_test(dist.manual_weigh_loss_refused ${dist} expect-failure 60 "weigh_loss under a strategy whose ranks hold different parts" -- ${volt_mpirun} ${dist} manual-weigh-loss)
 volt_distributed_test(dist.legacy_checkpoint.mpirun ${volt_mpirun} ${dist} legacy-checkpoint resume
                       ${CMAKE_CURRENT_SOURCE_DIR}/data/legacy)

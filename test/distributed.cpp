@@ -496,6 +496,27 @@ struct HeldBetweenSteps {
   }
 };
 
+/// After optimizer step 2 (laid out), the optimizer's state as a checkpoint gathers it, read back by LibTorch's Adam on
+/// rank zero: the dtypes of its tensors (float32 whatever the units are gathered in).
+struct StateDuringFit {
+  std::shared_ptr<std::set<std::string>> dtypes = std::make_shared<std::set<std::string>>();
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
+    if (trainer.global_step() != 2 || !dtypes->empty()) return;
+    const at::Tensor bytes = trainer.strategy().optimizer_state(*trainer.optimizer());
+    dtypes->insert("gathered");
+    if (!trainer.is_global_zero()) return;
+    FsdpNetImpl fresh;
+    torch::optim::Adam adam(fresh.parameters(), torch::optim::AdamOptions(0.01));
+    volt::checkpoint::load_optimizer_state(adam, bytes, "the gathered state");
+    for (const auto& [key, state] : adam.state()) {
+      const auto& s = static_cast<const torch::optim::AdamParamState&>(*state);
+      dtypes->insert(std::string(c10::toString(s.exp_avg().scalar_type())));
+      dtypes->insert(std::string(c10::toString(s.exp_avg_sq().scalar_type())));
+    }
+  }
+};
+
 /// Once laid out, each training batch's all-gathers and reduce-scatters, from the flight recorder: per batch the most
 /// and the fewest of each, on batches that stepped the optimizer (`stepping`) and on the others.
 struct CollectiveCounts {
@@ -738,9 +759,10 @@ int fsdp_scenario(int world, bool reshard, bool checkpointing) {
   net.which = volt::ActivationCheckpointing{.every = checkpointing ? 1u : 0u};
   HeldBetweenSteps held;
   CollectiveCounts counts;
+  StateDuringFit state;
   auto trainer = volt::make_trainer<volt::FSDP<L, volt::Mpi>, P>(
       {.devices = world / g_nodes, .num_nodes = g_nodes, .max_epochs = epochs, .accumulate_grad_batches = accumulate,
-       .gradient_clip_val = clip}, held, counts);
+       .gradient_clip_val = clip}, held, counts, state);
   trainer.strategy().set_reshard_after_forward(reshard);
   net.probe = [&](const char* phase) { held.bytes->sample(phase, trainer.strategy(), *trainer.optimizer()); };
   volt::data::TensorLoader loader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
@@ -767,6 +789,12 @@ int fsdp_scenario(int world, bool reshard, bool checkpointing) {
     // The last validation ran on the final weights: its mean over the ranks' batches is the reference's over the 32
     // samples and their padding (Bf16Mixed: each batch's mean rounded to bfloat16).
     const auto got_val = result.metrics.find("val_loss");
+    if constexpr (std::is_same_v<L, volt::Script>) {
+      check(*state.dtypes == std::set<std::string>{"Float", "gathered"},
+            what + ": the Adam state a checkpoint gathers during the fit is float32 (saw " +
+                std::to_string(state.dtypes->size()) + " kinds: " +
+                (state.dtypes->empty() ? std::string("none") : *state.dtypes->rbegin()) + ")");
+    }
     check(got_val != result.metrics.end() && std::abs(got_val->second - want_val) < (bf16 ? 1e-2 : 1e-5) * (1 + want_val),
           what + ": the last validation's loss is the final weights' over every sample (got " +
               (got_val == result.metrics.end() ? std::string("none") : std::to_string(got_val->second)) + ", want " +

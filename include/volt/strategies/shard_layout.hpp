@@ -125,6 +125,27 @@ class ShardLayout {
     torch::NoGradGuard no_grad;
     block_of(flat, rank_, world_).copy_(shards_[bucket]);
   }
+  /// The dtype and device of the pieces of bucket `bucket` (stage 3: its shard's, which may differ from the bucket's).
+  at::TensorOptions piece_options(std::size_t bucket) const {
+    return (bucket < shards_.size() && shards_[bucket].defined() ? shards_[bucket] : flats_[bucket]).options();
+  }
+  /// Stage 3: bucket `bucket` whole again for good (`whole`: every rank's shard, in the shards' dtype): the parameters
+  /// laid out in it (of `params`) and this rank's pieces become views of it, and the shard is dropped.
+  void make_whole(std::size_t bucket, const at::Tensor& whole, const std::vector<at::Tensor>& params) {
+    torch::NoGradGuard no_grad;
+    for (std::size_t j = 0; j < params.size(); ++j) {
+      const Location& where = locations_[j];
+      if (!where.laid_out || where.bucket != bucket) continue;
+      at::Tensor p = params[j];
+      p.set_data(whole.narrow(0, where.offset, p.numel()).view(p.sizes()));
+    }
+    for (ShardPiece& piece : pieces_) {
+      if (piece.bucket != bucket) continue;
+      piece.tensor.set_(whole.storage(), whole.storage_offset() + piece.bucket_offset, {piece.numel}, {1});
+    }
+    flats_[bucket] = whole;
+    if (bucket < shards_.size()) shards_[bucket] = at::Tensor();
+  }
   /// Where parameter `param` lies: its bucket and offset, if it was laid out (it required gradients at the fit's start).
   struct Location {
     std::size_t bucket = 0;

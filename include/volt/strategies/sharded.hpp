@@ -163,18 +163,18 @@ class ShardedHolder {
       if (units_->end_forward(backward_follows)) unit_reducer(g);
     });
   }
-  /// Stage 3, after a fit that completed: every unit gathered back into the module's parameters, which become tensors
-  /// of their own again (the pieces keep the optimizer's state, for a save after the fit).
+  /// Stage 3, after a fit that completed: every unit gathered back, in float32, into a whole bucket in which the module's
+  /// parameters and this rank's pieces (which keep the optimizer's state, for a save after the fit) then lie, as under
+  /// ZeRO<1>; the shards and the gradient blocks are dropped, so the module whole costs no more than ZeRO<1> holds.
   template <class G>
   void finish_fit(G& g) {
     if (!units_ || !shards_) return;
     units_->release_all();
+    for (const ShardPiece& piece : shards_->pieces()) piece.tensor.mutable_grad() = at::Tensor();
+    reducer_.reset();  // its gradient blocks: no backward follows
     for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
       const at::Tensor whole = whole_bucket(g, i);
-      for (std::size_t j : reducer_->buckets()[i].members) {
-        const at::Tensor mine = whole.narrow(0, shards_->location(j).offset, params_[j].numel());
-        params_[j].set_data(mine.view(params_[j].sizes()).clone());
-      }
+      shards_->make_whole(i, whole, params_);
     }
     units_.reset();
     whole_ = true;
@@ -400,7 +400,7 @@ auto ShardedHolder<Stage, B>::gather_fields(G& g, torch::optim::Optimizer& optim
   for (std::size_t f = 0; f < Codec::fields; ++f) {
     if (defined[static_cast<int64_t>(f)].template item<int64_t>() == 0) continue;
     for (std::size_t i = 0; i < shards_->flats().size(); ++i) {
-      at::Tensor buffer = torch::zeros_like(shards_->flats()[i]);
+      at::Tensor buffer = torch::zeros({shards_->flats()[i].numel()}, shards_->piece_options(i));
       for (const ShardPiece& piece : pieces) {
         const auto* s = piece.bucket == i ? find_state(optimizer, piece.tensor) : nullptr;
         if (s == nullptr) continue;

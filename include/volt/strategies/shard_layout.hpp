@@ -55,9 +55,10 @@ struct ShardPiece {
 class ShardLayout {
  public:
   /// Copies every bucket's parameters into one flat buffer and makes each parameter a view into it. `apart` (stage 3):
-  /// this rank's block of each bucket is copied out into a shard of its own, which the pieces share, so that the
-  /// bucket's storage can be freed between uses (`free`, `fill`); the bucket (and so the parameters) may then be of
-  /// another dtype than the shards (`gathered`: the dtype the forward computes in), filled by casting them.
+  /// this rank's block of each bucket is copied into a shard of its own, which the pieces share, and the bucket holds no
+  /// storage until it is gathered (`fill`, `free`): laying out never holds the parameters twice. The bucket (and so the
+  /// parameters) may then be of another dtype than the shards (`gathered`: the dtype the forward computes in), filled
+  /// by casting them.
   template <class Bucket>
   ShardLayout(const std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params, int rank, int world,
               bool apart = false, std::optional<torch::Dtype> gathered = std::nullopt)
@@ -65,23 +66,36 @@ class ShardLayout {
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < buckets.size(); ++i) {
       const Bucket& b = buckets[i];
-      at::Tensor flat = torch::zeros({b.numel}, params[b.members.front()].options().requires_grad(false));
-      for (std::size_t k = 0; k < b.members.size(); ++k) {
-        flat.narrow(0, b.offsets[k], params[b.members[k]].numel()).copy_(params[b.members[k]].detach().reshape(-1));
-      }
+      const at::TensorOptions options = params[b.members.front()].options().requires_grad(false);
       const Blocks blocks{b.numel, world};
-      if (apart) shards_.push_back(flat.narrow(0, blocks.start(rank), blocks.size()).clone());
+      at::Tensor flat;
+      if (apart) {  // this rank's block copied straight into its shard; the bucket made without touching its memory
+        at::Tensor shard = torch::zeros({blocks.size()}, options);
+        for (std::size_t k = 0; k < b.members.size(); ++k) {
+          const at::Tensor p = params[b.members[k]].detach().reshape(-1);
+          const int64_t lo = std::max(b.offsets[k], blocks.start(rank));
+          const int64_t hi = std::min(b.offsets[k] + p.numel(), blocks.end(rank));
+          if (lo < hi) shard.narrow(0, lo - blocks.start(rank), hi - lo).copy_(p.narrow(0, lo - b.offsets[k], hi - lo));
+        }
+        shards_.push_back(std::move(shard));
+        flat = torch::empty({b.numel}, options.dtype(gathered.value_or(options.dtype().toScalarType())));
+      } else {
+        flat = torch::zeros({b.numel}, options);
+        for (std::size_t k = 0; k < b.members.size(); ++k) {
+          flat.narrow(0, b.offsets[k], params[b.members[k]].numel()).copy_(params[b.members[k]].detach().reshape(-1));
+        }
+      }
       const at::Tensor& base = apart ? shards_.back() : flat;
       const int64_t base_start = apart ? blocks.start(rank) : 0;
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         add_piece(i, k, b.members[k], b.offsets[k], params[b.members[k]].numel(), base, base_start, blocks);
       }
-      if (apart && gathered && *gathered != flat.scalar_type()) flat = flat.to(*gathered);
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         at::Tensor p = params[b.members[k]];
         p.set_data(flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
         locations_[b.members[k]] = Location{i, b.offsets[k], true};
       }
+      if (apart) resize_storage(flat, 0);  // (its memory never touched) gathered where used: fill
       flats_.push_back(std::move(flat));
     }
   }

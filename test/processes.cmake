@@ -138,6 +138,9 @@ volt_resume_test(resume.sigkill_async ${resume_exe} sigkill ${resume_dir}/sigkil
 volt_resume_test(resume.kill_mid_write ${resume_exe} kill-mid-write ${resume_dir}/kill_mid_write 8)
 volt_resume_test(resume.ddp_exact CORES ${resume_exe} ddp-exact ${resume_dir}/ddp_exact -- ${volt_mpirun})
 volt_resume_test(resume.fsdp_exact CORES ${resume_exe} fsdp-exact ${resume_dir}/fsdp_exact -- ${volt_mpirun})
+volt_resume_test(resume.fsdp_sharded_exact CORES ${resume_exe} fsdp-sharded-exact ${resume_dir}/fsdp_sharded_exact --
+                 ${volt_mpirun})
+volt_resume_test(resume.sharded_kill CORES ${resume_exe} sharded-kill ${resume_dir}/sharded_kill 3 -- ${volt_mpirun})
 volt_resume_test(resume.spawn_exact CORES ${resume_exe} spawn-exact ${resume_dir}/spawn_exact)
 volt_resume_test(resume.two_to_one CORES ${resume_exe} n-to-m 2 1 ${resume_dir}/two_to_one -- ${volt_mpirun})
 volt_resume_test(resume.one_to_two CORES ${resume_exe} n-to-m 1 2 ${resume_dir}/one_to_two -- ${volt_mpirun})

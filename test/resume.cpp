@@ -9,6 +9,11 @@
 //   resume kill-mid-write <dir> [rounds]      a writer killed at random moments always leaves a whole file
 //   resume ddp-exact <dir> -- <mpirun...>     2 DDP ranks saved mid-epoch and resumed on 2: bit-identical
 //   resume fsdp-exact <dir> -- <mpirun...>    the same under FSDP (inside a window: within 1e-6)
+//   resume fsdp-sharded-exact <dir> -- <mpirun...>
+//                                             the same with sharded checkpoints (folders of each rank's pieces)
+//   resume sharded-kill <dir> [rounds] -- <mpirun...>
+//                                             a rank SIGKILLed while a sharded checkpoint is written: every
+//                                             checkpoint left reads, and the resume from last.ckpt is bit-identical
 //   resume spawn-exact <dir>                  the same with DDP<Spawn> workers
 //   resume n-to-m <from> <to> <dir> -- <mpirun...>
 //                                             saved on `from` ranks, resumed on `to`: every sample once, and
@@ -17,7 +22,8 @@
 //                                             ranks it resumes on 1, on 4 and on 2, and a DDP one on 2 ZeRO ranks:
 //                                             every sample once, the file's optimizer state, whole sync_dist values
 //   resume fsdp-resume <dir> -- <mpirun...>   the same for FSDP saved on 4 ranks, resumed on 1, 2, 3 and 4 ranks
-//                                             (4: the uninterrupted run's end, bit for bit)
+//                                             (4: the uninterrupted run's end, bit for bit); the same from the
+//                                             same run's sharded checkpoint, and zero-resume's on 2 into FSDP on 3
 //   resume signal <case> <dir> [-- <mpirun...>]
 //                                             a run stopped by SIGTERM/SIGUSR1 (to the process, mpirun, one rank,
 //                                             a Spawn main process) checkpoints, exits, and resumes bit-identical
@@ -310,15 +316,25 @@ void save_final_weights(T& trainer, torch::nn::Module& model, const std::string&
 // gradients accumulated over 2 batches, validation twice an epoch; checkpoints after every optimizer step
 // (<dir>/step=N.ckpt) and after every validation (<dir>/val/..., some in the middle of an accumulation
 // window); the final weights go to <weights-out> (from the calling process under Spawn).
+// (fsdp-sharded-fit: FSDP writing sharded checkpoints, last.ckpt among them; each rank writes its pid to <dir>/pid.<rank>.)
 template <class Launcher, class Strategy = volt::DDP<Launcher, volt::Mpi>>
-int two_rank_fit(const std::string& dir, const std::string& out, const std::string& ckpt) {
+int two_rank_fit(const std::string& dir, const std::string& out, const std::string& ckpt, bool sharded = false) {
   torch::manual_seed(1);
   Tiny model;
   auto trainer = volt::make_trainer<Strategy, volt::Fp32, volt::CPU>(
       {.devices = 2, .max_epochs = 3, .val_check_interval = 0.5, .accumulate_grad_batches = 2, .deterministic = true,
        .seed = 7},
-      volt::ModelCheckpoint({.dirpath = dir, .filename = "{step}", .save_top_k = -1, .every_n_train_steps = 1}),
+      volt::ModelCheckpoint(
+          {.dirpath = dir, .filename = "{step}", .save_top_k = -1, .save_last = sharded, .every_n_train_steps = 1}),
       volt::ModelCheckpoint({.dirpath = dir + "/val", .save_top_k = -1}));
+  if constexpr (requires { trainer.strategy().set_state_dict_type(volt::StateDictType::sharded); }) {
+    if (sharded) {
+      trainer.strategy().set_state_dict_type(volt::StateDictType::sharded);
+      fs::create_directories(dir);
+      const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+      std::ofstream(dir + "/pid." + std::string(rank ? rank : "0")) << ::getpid() << "\n";
+    }
+  }
   auto val = tiny_data();
   trainer.fit(model, tiny_data(), val, ckpt);
   save_final_weights<std::is_same_v<Launcher, volt::Spawn>>(trainer, *model, out);
@@ -349,7 +365,7 @@ int ddp_exact(const std::string& dir, const std::vector<std::string>& mpirun, co
     const std::string out = dir + "/out" + std::to_string(n) + ".ckpt";
     if (job({worker, dir + "/b" + std::to_string(n++), out, from}) != 0) fail("the resumed 2-rank run failed");
     std::string why;
-    if (worker == "fsdp-fit" && from == mid_window) {
+    if (worker != "ddp-fit" && from == mid_window) {
       const auto a = volt::checkpoint::read(ref).at("state_dict").toGenericDict();
       const auto b = volt::checkpoint::read(out).at("state_dict").toGenericDict();
       double most = 0;
@@ -467,15 +483,20 @@ int index_fit(const std::string& strategy, int ranks, const std::string& dir, co
   const volt::TrainerOptions o{.devices = ranks / nodes, .num_nodes = nodes, .max_epochs = 2, .max_steps = max_steps};
   volt::ModelCheckpoint every_step({.dirpath = dir, .save_top_k = 0, .save_last = true, .every_n_train_steps = 1});
   const SaveAtStart start{ckpt.empty() ? std::string() : record + ".start.ckpt"};
+  const bool sharded = strategy.ends_with("-sharded");  // its checkpoints in the sharded form
   auto with = [&]<class S>(S*) {
     auto t = volt::make_trainer<S, volt::Fp32, volt::CPU>(o, every_step, start, EpochValues{record + ".epochs"});
     if constexpr (requires { t.strategy().set_bucket_bytes(64, 64); }) t.strategy().set_bucket_bytes(8, 8);  // 2 buckets
+    if constexpr (requires { t.strategy().set_state_dict_type(volt::StateDictType::sharded); }) {
+      if (sharded) t.strategy().set_state_dict_type(volt::StateDictType::sharded);
+    }
     return index_fit_with(t, record, ckpt);
   };
   if (ranks == 1) return with(static_cast<volt::SingleDevice*>(nullptr));
   if (strategy == "zero1") return with(static_cast<volt::ZeRO<1, volt::Script, volt::Mpi>*>(nullptr));
   if (strategy == "zero2") return with(static_cast<volt::ZeRO<2, volt::Script, volt::Mpi>*>(nullptr));
-  if (strategy == "fsdp") return with(static_cast<volt::FSDP<volt::Script, volt::Mpi>*>(nullptr));
+  if (strategy.starts_with("fsdp")) return with(static_cast<volt::FSDP<volt::Script, volt::Mpi>*>(nullptr));
+  if (strategy == "zero2-sharded") return with(static_cast<volt::ZeRO<2, volt::Script, volt::Mpi>*>(nullptr));
   return with(static_cast<volt::DDP<volt::Script, volt::Mpi>*>(nullptr));
 }
 
@@ -577,6 +598,7 @@ struct ResumeCase {
 };
 int sharded_resume(const std::string& dir, std::vector<std::string> mpirun, const std::string& sharded, int ranks,
                    const std::vector<ResumeCase>& cases) {
+  const bool both_forms = std::any_of(cases.begin(), cases.end(), [](const ResumeCase& c) { return c.from == std::string("zs"); });
   fs::remove_all(dir);
   fs::create_directories(dir);
   auto job = [&](int n, std::vector<std::string> args) {
@@ -606,6 +628,17 @@ int sharded_resume(const std::string& dir, std::vector<std::string> mpirun, cons
       << weights_in(dir + "/d/last.ckpt");
     fail("MISMATCH: the " + sharded + " checkpoint's weights or Adam state differ from DDP's at the same step: " + d.str());
   }
+  if (both_forms) {  // the same run writing sharded checkpoints ("zs"): every tensor the full file's, bit for bit
+    job(ranks, {"index-fit", sharded + "-sharded", r, dir + "/zs", dir + "/zs_part1", stop});
+    if (!volt::checkpoint::is_sharded(dir + "/zs/last.ckpt")) fail(dir + "/zs/last.ckpt is not a sharded checkpoint");
+    const auto [s_steps, s_moments] = adam_state(dir + "/zs/last.ckpt");
+    if (s_steps != z_steps || !torch::equal(s_moments, z_moments) ||
+        !torch::equal(weights_in(dir + "/zs/last.ckpt"), weights_in(dir + "/z/last.ckpt"))) {
+      fail("MISMATCH: the sharded form's weights or Adam state differ from the full file's of the same run");
+    }
+    std::cout << sharded << " on " << ranks << ": the sharded form holds the full file's weights and Adam state, bit "
+              << "for bit  match" << std::endl;
+  }
   for (const ResumeCase& c : cases) {
     const std::string part2 = dir + "/" + c.strategy + std::to_string(c.ranks) + "_from_" + c.from;
     job(c.ranks, {"index-fit", c.strategy, std::to_string(c.ranks), part2 + "_ckpt", part2, "-1",
@@ -624,7 +657,7 @@ int sharded_resume(const std::string& dir, std::vector<std::string> mpirun, cons
       fail(std::string("MISMATCH: ") + c.name + ": the resumed run's Adam state is not the file's");
     }
     if (c.strategy == sharded && c.ranks == ranks) {  // the same layout: the uninterrupted run's end, bit for bit
-      job(ranks, {"index-fit", sharded, r, dir + "/whole_ckpt", dir + "/whole", "-1"});
+      if (!fs::exists(dir + "/whole_ckpt/last.ckpt")) job(ranks, {"index-fit", sharded, r, dir + "/whole_ckpt", dir + "/whole", "-1"});
       const auto [w_steps, w_moments] = adam_state(dir + "/whole_ckpt/last.ckpt");
       const auto [e_steps, e_moments] = adam_state(part2 + "_ckpt/last.ckpt");
       if (!torch::equal(weights_in(dir + "/whole_ckpt/last.ckpt"), weights_in(part2 + "_ckpt/last.ckpt")) ||
@@ -639,13 +672,87 @@ int sharded_resume(const std::string& dir, std::vector<std::string> mpirun, cons
 int zero_resume(const std::string& dir, std::vector<std::string> mpirun) {
   return sharded_resume(dir, std::move(mpirun), "zero2", 2,
                         {{"zero2 on 2 -> 1 rank", "ddp", 1, "z"}, {"zero2 on 2 -> zero1 on 4", "zero1", 4, "z"},
-                         {"ddp on 2 -> zero2 on 2", "zero2", 2, "d"}, {"zero2 on 2 -> zero2 on 2", "zero2", 2, "z"}});
+                         {"ddp on 2 -> zero2 on 2", "zero2", 2, "d"}, {"zero2 on 2 -> zero2 on 2", "zero2", 2, "z"},
+                         {"zero2 on 2, sharded form -> fsdp on 3", "fsdp", 3, "zs", false}});
 }
 int fsdp_resume(const std::string& dir, std::vector<std::string> mpirun) {
   return sharded_resume(dir, std::move(mpirun), "fsdp", 4,
                         {{"fsdp on 4 -> 1 rank", "ddp", 1, "z"}, {"fsdp on 4 -> fsdp on 2", "fsdp", 2, "z"},
                          {"fsdp on 4 -> fsdp on 3", "fsdp", 3, "z", false}, {"ddp on 4 -> fsdp on 2", "fsdp", 2, "d"},
-                         {"fsdp on 4 -> fsdp on 4", "fsdp", 4, "z"}});
+                         {"fsdp on 4 -> fsdp on 4", "fsdp", 4, "z"},
+                         {"fsdp on 4, sharded form -> 1 rank", "ddp", 1, "zs"},
+                         {"fsdp on 4, sharded form -> fsdp on 2", "fsdp", 2, "zs"},
+                         {"fsdp on 4, sharded form -> fsdp on 3", "fsdp", 3, "zs", false},
+                         {"fsdp on 4, sharded form -> ddp on 2", "ddp", 2, "zs"},
+                         {"fsdp on 4, sharded form -> fsdp on 4", "fsdp", 4, "zs"}});
+}
+
+// resume sharded-kill <dir> [rounds] -- <mpirun...>
+// FSDP on 2 ranks writes sharded checkpoints (step=N.ckpt and last.ckpt, folders) after every step; one of its ranks
+// is SIGKILLed as a save's temporary folder appears (at a random step, 0-0.4 ms after it is seen, the rank chosen
+// in turn). Every checkpoint left reads whole (the index, each rank's file's size and CRC, every tensor covered), a
+// temporary folder is all a save cut short leaves, and the run resumed from last.ckpt ends on the uninterrupted
+// run's weights, bit for bit.
+int sharded_kill(const std::string& dir, int rounds, const std::vector<std::string>& mpirun) {
+  fs::remove_all(dir);
+  auto cmd = [&](std::vector<std::string> args) {
+    std::vector<std::string> c = mpirun;
+    c.push_back(self_exe());
+    c.insert(c.end(), args.begin(), args.end());
+    return c;
+  };
+  const std::string ref = dir + "/reference.ckpt";
+  if (run(cmd({"fsdp-sharded-fit", dir + "/ref_run", ref})) != 0) fail("the uninterrupted run failed");
+  std::mt19937 rng(test_seed("sharded-kill"));
+  int cut_short = 0;
+  for (int r = 0; r < rounds; ++r) {
+    const std::string run_dir = dir + "/run" + std::to_string(r), out = dir + "/out" + std::to_string(r) + ".ckpt";
+    const int after = std::uniform_int_distribution<int>(1, 7)(rng);  // of 9 steps: killed in step after + 1's save
+    const Child job = start(cmd({"fsdp-sharded-fit", run_dir, out}), false);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    const std::string next = "step=" + std::to_string(after + 1) + ".ckpt.tmp.";  // the next save's start
+    std::string temporary;
+    while (temporary.empty() && std::chrono::steady_clock::now() < deadline) {
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(run_dir, ec)) {
+        if (e.path().filename().string().rfind(next, 0) == 0) temporary = e.path().string();
+      }
+      if (temporary.empty()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (temporary.empty()) fail("round " + std::to_string(r) + ": no save was seen after step " + std::to_string(after));
+    std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 400)(rng)));
+    const int victim = r % 2;
+    std::ifstream pid_file(run_dir + "/pid." + std::to_string(victim));
+    pid_t pid = 0;
+    if (!(pid_file >> pid) || pid <= 0) fail("no pid file for rank " + std::to_string(victim));
+    ::kill(pid, SIGKILL);
+    wait_for(job);
+    const bool left = fs::exists(temporary);
+    cut_short += left;
+    int read = 0;
+    for (const std::string& folder : {run_dir, run_dir + "/val"}) {
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(folder, ec)) {
+        if (e.path().extension() != ".ckpt") continue;
+        (void)volt::checkpoint::read(e.path().string());  // throws on anything torn
+        ++read;
+      }
+    }
+    const auto last = volt::checkpoint::read(run_dir + "/last.ckpt");
+    const int64_t step = last.at("loops").toGenericDict().at("global_step").toInt();
+    std::cout << "round " << r << ": rank " << victim << " killed " << (left ? "inside" : "after") << " a save after step "
+              << after << "; " << read << " checkpoints read whole, last.ckpt at step " << step << std::endl;
+    // (a save writes step=N.ckpt, then last.ckpt: the kill may land between the two)
+    if (step < after - 1) fail("round " + std::to_string(r) + ": last.ckpt holds step " + std::to_string(step));
+    if (run(cmd({"fsdp-sharded-fit", run_dir + "_resumed", out, run_dir + "/last.ckpt"})) != 0) {
+      fail("round " + std::to_string(r) + ": the run resumed from last.ckpt failed");
+    }
+    std::string why;
+    if (!identical(ref, out, &why)) fail("MISMATCH: round " + std::to_string(r) + ": " + why);
+    std::cout << "round " << r << ": resumed from last.ckpt, weights bit-identical  match" << std::endl;
+  }
+  std::cout << cut_short << " of " << rounds << " kills landed inside a save" << std::endl;
+  return 0;
 }
 
 // ---- stop signals ---------------------------------------------------------------------------------------------
@@ -1120,6 +1227,12 @@ const Mode kModes[] = {
     {"fsdp-exact", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
        return ddp_exact(a[2], after_dashes(argc, argv), "fsdp-fit");
      }},
+    {"fsdp-sharded-exact", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
+       return ddp_exact(a[2], after_dashes(argc, argv), "fsdp-sharded-fit");
+     }},
+    {"sharded-kill", 2, "<dir> [rounds] -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
+       return sharded_kill(a[2], a.size() > 3 && a[3] != "--" ? std::stoi(a[3]) : 3, after_dashes(argc, argv));
+     }},
     {"ddp-exact", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
        return ddp_exact(a[2], after_dashes(argc, argv));
      }},
@@ -1161,6 +1274,9 @@ const Mode kModes[] = {
      }},
     {"fsdp-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
        return two_rank_fit<volt::Script, volt::FSDP<volt::Script, volt::Mpi>>(a[2], a[3], a.size() > 4 ? a[4] : "");
+     }},
+    {"fsdp-sharded-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
+       return two_rank_fit<volt::Script, volt::FSDP<volt::Script, volt::Mpi>>(a[2], a[3], a.size() > 4 ? a[4] : "", true);
      }},
     {"spawn-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
        return two_rank_fit<volt::Spawn>(a[2], a[3], a.size() > 4 ? a[4] : "");

@@ -106,13 +106,17 @@ using Dict = c10::impl::GenericDict;
 inline Dict make_dict() { return Dict(c10::StringType::get(), c10::AnyType::get()); }
 
 inline Dict decode(const std::vector<char>& bytes, const std::string& path);
+inline Dict read_sharded(const std::string& dir);  // volt/checkpoint/sharded.hpp
 
 /// Reads and checks a checkpoint: a `CheckpointError` names the file and the fault (missing, empty, not a
-/// torch zip archive or cut short, not a volt checkpoint, a newer format, a checksum mismatch).
+/// torch zip archive or cut short, not a volt checkpoint, a newer format, a checksum mismatch). A sharded checkpoint's
+/// folder is read as the full form's contents (volt/checkpoint/sharded.hpp).
 inline Dict read(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
-    throw CheckpointError("volt: " + path + " is a folder; give the checkpoint file inside it.");
+    if (std::filesystem::exists(std::filesystem::path(path) / "index.json", ec)) return read_sharded(path);
+    throw CheckpointError("volt: " + path + " is a folder and not a sharded checkpoint (no index.json); give the "
+                          "checkpoint file inside it.");
   }
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw CheckpointError("volt: no checkpoint at " + path + " (cannot open it: " + std::strerror(errno) + ").");
@@ -220,7 +224,8 @@ class View {
 /// The state a checkpoint file holds for the callback with key `key`, if any (ModelCheckpoint finds its
 /// best checkpoint in its newest file this way).
 inline std::optional<Dict> saved_callback_state(const std::string& path, const std::string& key) {
-  const Dict d = read(path);
+  std::error_code ec;  // a sharded checkpoint's callbacks are in its meta.ckpt: its pieces are not read
+  const Dict d = read(std::filesystem::is_directory(path, ec) ? path + "/meta.ckpt" : path);
   if (!d.contains(keys::callbacks)) return std::nullopt;
   const auto states = d.at(keys::callbacks).toGenericDict();
   if (!states.contains(key)) return std::nullopt;

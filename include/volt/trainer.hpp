@@ -43,7 +43,6 @@
 #include <torch/types.h>
 
 #include <concepts>
-#include <cstdio>
 #include <cstdlib>
 #include <cstdint>
 #include <functional>
@@ -323,6 +322,7 @@ class Trainer {
 
   // ---- checkpoints (trainer/checkpoint_impl.hpp) ----
   at::Tensor gather_ranks(const at::Tensor& t);
+  checkpoint::Dict checkpoint_contents(checkpoint::Dict d, const std::vector<at::Tensor>& archives, bool weights_only);
   std::string resolve_ckpt_path(const std::string& path, const char* run) const;
   template <class Impl>
   void load_for_evaluation(Impl& module, const std::string& ckpt_path, const char* run);

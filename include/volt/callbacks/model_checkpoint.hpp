@@ -200,7 +200,7 @@ class ModelCheckpoint {
     std::string newest;
     std::filesystem::file_time_type newest_time{};
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-      if (!e.is_regular_file() || e.path().extension() != kExtension) continue;
+      if (!checkpoint::is_checkpoint_entry(e) || e.path().extension() != kExtension) continue;
       const auto t = e.last_write_time(ec);
       if (newest.empty() || t > newest_time || (t == newest_time && e.path().string() == last)) {
         newest = e.path().string();
@@ -369,7 +369,9 @@ class ModelCheckpoint {
     std::vector<std::string> names;
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(dirpath_, ec)) {
-      if (e.is_regular_file() && e.path().extension() == kExtension) names.push_back(e.path().filename().string());
+      if (checkpoint::is_checkpoint_entry(e) && e.path().extension() == kExtension) {
+        names.push_back(e.path().filename().string());
+      }
     }
     if (names.empty()) return;
     std::sort(names.begin(), names.end());
@@ -472,7 +474,7 @@ class ModelCheckpoint {
     }
     auto done = [doomed, said] {
       std::error_code ec;
-      for (const auto& p : doomed) std::filesystem::remove(p, ec);
+      for (const auto& p : doomed) std::filesystem::remove_all(p, ec);  // a file, or a sharded checkpoint's folder
       std::cout << said;
     };
     std::vector<std::string> paths;  // one state, serialised once, to each (nothing to delete or say when none)

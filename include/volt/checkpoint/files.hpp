@@ -2,7 +2,7 @@
 /// \file
 /// The file side of checkpoints, under volt/checkpoint.hpp and the safetensors writer: atomic writes (a temporary
 /// file in the same folder, fsync, rename, fsync of the folder: a process killed mid-write leaves the previous file
-/// whole), the check that a folder takes checkpoints before training starts, and the version counter's free names.
+/// whole), a file or folder swapped in place of another (`replace_atomically`), the check that a folder takes checkpoints before training starts, and the version counter's free names.
 
 #include "volt/checkpoint/bytes.hpp"
 #include "volt/errors.hpp"
@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>  // renameat2
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +22,26 @@
 
 namespace volt {
 namespace checkpoint {
+
+/// Puts `tmp` (a file or a folder) at `path` in one step and flushes the folder: a rename where `path` is absent or both
+/// are files; else (a sharded checkpoint's folder in place of a file, or the other way round) a swap, Linux's
+/// `renameat2(RENAME_EXCHANGE)`, after which what `path` held, now at `tmp`, is deleted. A process killed at any moment
+/// leaves at `path` the old contents or the new, whole.
+inline void replace_atomically(const std::string& tmp, const std::string& path) {
+  std::error_code ec;
+  const auto there = std::filesystem::symlink_status(path, ec).type();
+  const bool swap = there == std::filesystem::file_type::directory ||
+                    (there != std::filesystem::file_type::not_found && std::filesystem::is_directory(tmp, ec));
+  if (!swap) {
+    if (::rename(tmp.c_str(), path.c_str()) != 0) detail::fail_errno("renaming the finished checkpoint onto", path);
+  } else {
+    if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_EXCHANGE) != 0) {
+      detail::fail_errno("swapping the finished checkpoint with what is at", path);
+    }
+    std::filesystem::remove_all(tmp, ec);  // the previous checkpoint
+  }
+  detail::fsync_dir(std::filesystem::path(path).parent_path());
+}
 
 /// Writes `pieces` one after another to `path` atomically (temporary file in the same folder, fsync, rename, fsync of
 /// the folder). Creates the folder if needed.
@@ -54,13 +75,12 @@ inline void write_atomic(const std::string& path, const std::vector<std::pair<co
     errno = saved;
     detail::fail_errno("flushing the checkpoint", tmp);
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
+  try {
+    replace_atomically(tmp, path);
+  } catch (...) {
     ::unlink(tmp.c_str());
-    errno = saved;
-    detail::fail_errno("renaming the finished checkpoint onto", path);
+    throw;
   }
-  detail::fsync_dir(dir);
 }
 
 /// Writes `size` bytes at `data` to `path` atomically.

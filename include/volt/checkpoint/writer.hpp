@@ -166,3 +166,5 @@ struct SaveOptions {
 };
 
 }  // namespace volt
+
+#include "volt/checkpoint/sharded.hpp"  // the sharded form: checkpoint::save_sharded, read_sharded

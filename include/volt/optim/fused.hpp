@@ -9,6 +9,7 @@
 /// `_fused_sgd_`) per parameter group and device/dtype, where LibTorch has it: from LibTorch 2.4 on, on the CPU and
 /// on CUDA. Elsewhere (LibTorch 1.13, sparse gradients, other devices or dtypes) the step is LibTorch's own.
 
+#include "volt/detail/optimizer_state.hpp"
 #include "volt/detail/torch_compat.hpp"
 
 #include <torch/optim/optimizer.h>
@@ -41,19 +42,7 @@ concept CapturableOptimizer = std::derived_from<O, torch::optim::Optimizer> && r
 
 namespace detail {
 
-/// The key LibTorch files the state of the parameter whose TensorImpl is `impl` under (its address as a string on
-/// 1.13, the address itself on 2.x).
-template <class StateMap>
-auto state_key(const StateMap&, const void* impl) {
-  using Key = typename StateMap::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream text;  // as 1.13's c10::guts::to_string writes it
-    text << impl;
-    return text.str();
-  } else {
-    return const_cast<Key>(impl);
-  }
-}
+using volt::detail::state_key;
 
 /// The state of `p` as `State`, created by `make` when the parameter has none yet.
 template <class State, class Make>

@@ -157,6 +157,27 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
       return at::Tensor();
     }
   }
+  /// How checkpoints are written (Lightning's `state_dict_type`): one file from rank zero (`full`, the default; FSDP
+  /// gathers it unit by unit), or a folder of every rank's pieces written at once (`sharded`: no rank holds more than
+  /// its share; volt/checkpoint/sharded.hpp). Both resume on any world size and any data-parallel layout.
+  void set_state_dict_type(StateDictType type) { state_dict_type_ = type; }
+  StateDictType state_dict_type() const { return state_dict_type_; }
+  /// What this rank writes of the parameters into a sharded checkpoint: its pieces (ZeRO, FSDP), or where every rank
+  /// holds a parameter, a near-equal part of it.
+  std::vector<checkpoint::Slice> state_slices() const {
+    if constexpr (requires { holder_.state_slices(*this); }) {
+      return holder_.state_slices(*this);
+    } else {
+      return checkpoint::replicated_slices(params_, this->global_rank(), this->world_size());
+    }
+  }
+  /// `optimizer`'s groups in the layout of an unsharded run (ZeRO: the module's parameters, not this rank's pieces).
+  std::vector<std::vector<at::Tensor>> full_param_groups(torch::optim::Optimizer& optimizer) const {
+    if constexpr (requires { holder_.full_param_groups(optimizer); }) return holder_.full_param_groups(optimizer);
+    std::vector<std::vector<at::Tensor>> groups;
+    for (const auto& group : optimizer.param_groups()) groups.push_back(group.params());
+    return groups;
+  }
   /// FSDP: each rank keeps its shard of the whole state given.
   void load_module_state(torch::nn::Module& module, const checkpoint::Dict& state) {
     if constexpr (requires { holder_.load_module_state(*this, module, state); }) {
@@ -197,6 +218,7 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   std::size_t bucket_bytes_ = detail::kBucketBytes;
   bool reshard_after_forward_ = true;
   bool sync_every_micro_batch_ = true;
+  StateDictType state_dict_type_ = StateDictType::full;
   std::optional<torch::Dtype> compute_dtype_;
   bool warned_ = false;
 };

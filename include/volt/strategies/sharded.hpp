@@ -11,7 +11,7 @@
 /// given this rank's pieces in place of the parameters. On the micro-batch that steps, each bucket is
 /// reduce-scattered as its last gradient arrives; after the step every bucket is all-gathered in place. A checkpoint
 /// gathers the pieces' states into the layout of an unsharded run, and a resume cuts any such state by this run's
-/// world size (strategies/zero_state.hpp).
+/// world size (detail/optimizer_state.hpp).
 
 #include "volt/checkpoint.hpp"
 #include "volt/errors.hpp"
@@ -22,7 +22,7 @@
 #include "volt/strategies/reducer.hpp"
 #include "volt/strategies/shard_layout.hpp"
 #include "volt/strategies/concept.hpp"
-#include "volt/strategies/zero_state.hpp"
+#include "volt/detail/optimizer_state.hpp"
 
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
@@ -197,6 +197,30 @@ class ShardedHolder {
   /// Stage 3: each rank's shards cut from the whole state `state` (its buffers and unsharded parameters copied).
   template <class G>
   void load_module_state(G& g, torch::nn::Module& module, const checkpoint::Dict& state);
+
+  /// What this rank writes into a sharded checkpoint: its pieces (float32 shards under FSDP's bfloat16 gathers), and a
+  /// near-equal part of each parameter left out of the layout (or of every one, before it).
+  template <class G>
+  std::vector<checkpoint::Slice> state_slices(const G& g) const {
+    std::vector<checkpoint::Slice> out;
+    for (std::size_t j = 0; j < params_.size(); ++j) {
+      if (shards_ && shards_->location(j).laid_out) continue;
+      if (auto s = checkpoint::replicated_slice(j, params_[j], g.global_rank(), g.world_size())) out.push_back(*s);
+    }
+    if (!shards_) return out;
+    for (const ShardPiece& piece : shards_->pieces()) {
+      out.push_back({piece.param, piece.param_offset, piece.numel, piece.tensor.detach(), piece.tensor, 0});
+    }
+    return out;
+  }
+  /// The groups `optimizer` was given (the module's parameters, where it now steps pieces).
+  std::vector<std::vector<at::Tensor>> full_param_groups(torch::optim::Optimizer& optimizer) const {
+    const auto full = full_params_.find(&optimizer);
+    if (full != full_params_.end()) return full->second;
+    std::vector<std::vector<at::Tensor>> groups;
+    for (const auto& group : optimizer.param_groups()) groups.push_back(group.params());
+    return groups;
+  }
 
   /// Collective: the optimizer's state in the layout of an unsharded run, as bytes on rank zero (empty elsewhere).
   template <class G>

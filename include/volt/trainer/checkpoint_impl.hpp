@@ -10,15 +10,59 @@
 #include <iostream>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace volt {
 
-/// See the declaration. Every rank gathers its share (collectives), rank zero writes (or hands the copy to the
-/// writer's thread), all wait.
+namespace detail {
+
+/// What a sharded save hands the checkpoint writer (checkpoint/sharded.hpp): the module's parameters by name, this rank's
+/// slices of them from the strategy, and each optimizer whose state is elementwise with its groups as the module's
+/// parameter indices in the layout of an unsharded run (the others' whole archives go into meta.ckpt).
+template <class S>
+checkpoint::ShardedSave sharded_save_of(S& strategy, const torch::nn::Module& module, const std::vector<at::Tensor>& params,
+                                        std::vector<ScheduledOptimizer>& optimizers, bool weights_only) {
+  checkpoint::ShardedSave s;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    s.names.push_back(p.key());
+    s.shapes.push_back(p.value().sizes().vec());
+  }
+  s.slices = strategy.state_slices();
+  std::unordered_map<const void*, std::size_t> index;
+  for (std::size_t j = 0; j < params.size(); ++j) index.emplace(params[j].unsafeGetTensorImpl(), j);
+  for (auto& o : optimizers) {
+    if (weights_only) break;
+    checkpoint::ShardedOptimizer so;
+    if (has_state_codec(o.optimizer())) {
+      so.optimizer = &o.optimizer();
+      for (const auto& group : strategy.full_param_groups(o.optimizer())) {
+        so.groups.emplace_back();
+        for (const at::Tensor& p : group) {
+          const auto it = index.find(p.unsafeGetTensorImpl());
+          if (it == index.end()) {
+            throw ConfigError("volt: a sharded checkpoint names each optimizer's tensors by the module's parameter "
+                              "names, and an optimizer steps a tensor that is not one of the module's parameters; "
+                              "save the full form (set_state_dict_type(volt::StateDictType::full)).");
+          }
+          so.groups.back().push_back(it->second);
+        }
+      }
+    }
+    s.optimizers.push_back(std::move(so));
+  }
+  s.rank = strategy.global_rank();
+  s.world = strategy.world_size();
+  s.all_gather = [&strategy](const std::string& b) { return strategy.host_all_gather(b); };
+  return s;
+}
+
+}  // namespace detail
+
+/// See the declaration. Every rank gathers its share (collectives); in the full form rank zero writes (or hands the copy
+/// to the writer's thread), in the sharded form every rank writes its pieces; all wait.
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& paths, const SaveOptions& options) {
-  const bool weights_only = options.weights_only;
   const std::string path = paths.empty() ? std::string() : paths.front();
   if (module_ == nullptr) {
     throw std::logic_error("volt: save_checkpoint(\"" + path + "\") was called, but no fit has run in this process, so "
@@ -28,15 +72,65 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
   if (std::any_of(paths.begin(), paths.end(), [](const std::string& p) { return p.empty(); }) || paths.empty()) {
     throw std::invalid_argument("volt: save_checkpoint needs a file path; got an empty string.");
   }
-  // The module's state, from the strategy that holds it (collective; ManualParallel refuses on several ranks).
-  const c10::Dict<std::string, at::Tensor> weights = strategy_.module_state(*module_, /*on_device=*/options.async_save);
-  // Every rank's share, gathered on every rank (collectives): generator states and mid-window gradients.
-  std::vector<at::Tensor> rng, optimizers;
+  bool sharded = false;
+  if constexpr (requires { strategy_.state_dict_type(); }) sharded = strategy_.state_dict_type() == StateDictType::sharded;
+  if (sharded && options.safetensors) {
+    throw ConfigError("volt: a weights file beside each checkpoint (ModelCheckpoint's save_safetensors) needs the "
+                      "full checkpoint form, and the strategy writes sharded ones; drop one of the two.");
+  }
+  // The module's state, from the strategy that holds it (collective; ManualParallel refuses on several ranks); in the
+  // sharded form the parameters are each rank's pieces and the contents keep the buffers. Likewise the optimizers'.
+  const c10::Dict<std::string, at::Tensor> weights =
+      !sharded ? strategy_.module_state(*module_, /*on_device=*/options.async_save)
+               : (strategy_.is_global_zero() ? checkpoint::buffer_state(*module_) : c10::Dict<std::string, at::Tensor>());
+  std::vector<at::Tensor> optimizers;
+  for (auto& o : optim_) {
+    if (options.weights_only) break;
+    if constexpr (requires { strategy_.full_param_groups(o.optimizer()); }) {
+      if (sharded && detail::has_state_codec(o.optimizer())) {
+        optimizers.push_back(strategy_.is_global_zero()
+                                 ? checkpoint::optimizer_skeleton(o.optimizer(), strategy_.full_param_groups(o.optimizer()))
+                                 : at::Tensor());
+        continue;
+      }
+    }
+    optimizers.push_back(strategy_.optimizer_state(o.optimizer()));  // ZeRO gathers its pieces
+  }
+  checkpoint::Dict d = checkpoint::make_dict();
+  if (strategy_.is_global_zero()) d.insert(checkpoint::keys::state_dict, weights);
+  d = checkpoint_contents(std::move(d), optimizers, options.weights_only);  // collective
+  if constexpr (requires { strategy_.state_slices(); }) {
+    if (sharded) {
+      writer_.wait();  // files land in the order they were saved
+      checkpoint::ShardedSave s = detail::sharded_save_of(strategy_, *module_, params_, optim_, options.weights_only);
+      s.meta = std::move(d);
+      checkpoint::save_sharded(paths, s);
+      if (options.done && strategy_.is_global_zero()) options.done();
+    }
+  }
+  if (!sharded && strategy_.is_global_zero()) {
+    if (options.async_save) {
+      writer_.submit(paths, d, options.safetensors, options.done);
+    } else {
+      writer_.wait();  // files land in the order they were saved
+      checkpoint::save(paths, std::move(d), options.safetensors);
+      if (options.done) options.done();
+    }
+  }
+  strategy_.barrier();
+}
+
+/// The contents of a checkpoint on rank zero (elsewhere empty): `d` (its state_dict) and the optimizers' archives given,
+/// every rank's share of the rest gathered (collectives: generator states, the metrics' sums, mid-window gradients),
+/// the loops' and callbacks' states, and the on_save_checkpoint hooks run.
+template <class S, class P, class A, class... Cs>
+checkpoint::Dict Trainer<S, P, A, Cs...>::checkpoint_contents(checkpoint::Dict d, const std::vector<at::Tensor>& optimizers,
+                                                             bool weights_only) {
+  std::vector<at::Tensor> rng;
   c10::impl::GenericList grads(c10::AnyType::get()), metrics(c10::AnyType::get());
   if (!weights_only) {
     metrics = checkpoint::metrics_of_ranks(train_store_, strategy_.world_size(),
                                            [this](const std::string& b) { return strategy_.host_all_gather(b); });
-    for (auto& o : optim_) optimizers.push_back(strategy_.optimizer_state(o.optimizer()));  // ZeRO gathers its pieces
     for (const at::Tensor& t : checkpoint::rng_states()) rng.push_back(gather_ranks(t));
     // Gradients accumulated so far in this window, or (manual optimization) the module's gradients.
     // (FSDP, whose window's micro-batches were reduce-scattered as they came: their average, the same on every rank.)
@@ -53,43 +147,33 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
       }
     }
   }
-  if (strategy_.is_global_zero()) {
-    checkpoint::Dict d = checkpoint::make_dict();
-    d.insert(checkpoint::keys::state_dict, weights);
-    if (!weights_only) {
-      checkpoint::FitState fit;
-      std::vector<int64_t> optimizer_steps;
-      for (std::size_t i = 0; i < optim_.size(); ++i) {
-        const detail::ScheduledOptimizer& o = optim_[i];
-        fit.optimizers.push_back(optimizers[i]);
-        if (o.config.scheduler) fit.schedulers.push_back({o.config.scheduler.get(), static_cast<int64_t>(i)});
-        optimizer_steps.push_back(o.steps);
-      }
-      fit.precision = precision_.state_dict();
-      fit.loops = progress_.state_dict(state_.current_epoch, state_.global_step,
-                                       should_check_val(progress_.train_batch_idx, progress_.train_is_last),
-                                       strategy_.world_size(), optimizer_steps);
-      if (train_loader_state_) {
-        fit.train_loader = train_loader_state_();
-      } else if (!fitting_ && final_loader_state_) {
-        fit.train_loader = *final_loader_state_;
-      }
-      fit.metrics = std::move(metrics);
-      fit.rng = std::move(rng);
-      fit.callbacks = checkpoint::callbacks_to_state(callbacks_);
-      checkpoint::write_fit_state(d, fit);
-      d.insert(checkpoint::keys::accumulated_grads, grads);
+  if (!strategy_.is_global_zero()) return d;
+  if (!weights_only) {
+    checkpoint::FitState fit;
+    std::vector<int64_t> optimizer_steps;
+    for (std::size_t i = 0; i < optim_.size(); ++i) {
+      const detail::ScheduledOptimizer& o = optim_[i];
+      fit.optimizers.push_back(optimizers[i]);
+      if (o.config.scheduler) fit.schedulers.push_back({o.config.scheduler.get(), static_cast<int64_t>(i)});
+      optimizer_steps.push_back(o.steps);
     }
-    if (save_hooks_) save_hooks_(d, weights_only);
-    if (options.async_save) {
-      writer_.submit(paths, d, options.safetensors, options.done);
-    } else {
-      writer_.wait();  // files land in the order they were saved
-      checkpoint::save(paths, std::move(d), options.safetensors);
-      if (options.done) options.done();
+    fit.precision = precision_.state_dict();
+    fit.loops = progress_.state_dict(state_.current_epoch, state_.global_step,
+                                     should_check_val(progress_.train_batch_idx, progress_.train_is_last),
+                                     strategy_.world_size(), optimizer_steps);
+    if (train_loader_state_) {
+      fit.train_loader = train_loader_state_();
+    } else if (!fitting_ && final_loader_state_) {
+      fit.train_loader = *final_loader_state_;
     }
+    fit.metrics = std::move(metrics);
+    fit.rng = std::move(rng);
+    fit.callbacks = checkpoint::callbacks_to_state(callbacks_);
+    checkpoint::write_fit_state(d, fit);
+    d.insert(checkpoint::keys::accumulated_grads, grads);
   }
-  strategy_.barrier();
+  if (save_hooks_) save_hooks_(d, weights_only);
+  return d;
 }
 
 /// Every rank's copy of `t` stacked in rank order ([world_size, ...]), on the CPU.

@@ -1,25 +1,44 @@
 #pragma once
 /// \file
-/// How the sharded strategy (volt/strategies/zero.hpp) cuts an optimizer's per-parameter state into the pieces each
-/// rank steps, and puts it back together for a checkpoint: the state of the optimizers it shards, each as its tensors
-/// (elementwise, shaped as the parameter; undefined where the optimizer has none, as Adam's `max_exp_avg_sq` without
-/// amsgrad) and its step count. LibTorch's `Adam`, `AdamW` and `SGD` (and volt::optim's, whose state is theirs).
+/// An optimizer's per-parameter state as tensors: the key LibTorch files a parameter's state under, and for the
+/// optimizers whose state is elementwise (LibTorch's `Adam`, `AdamW` and `SGD`, and volt::optim's, whose state is
+/// theirs) the state's tensors by name (shaped as the parameter; undefined where the optimizer has none, as Adam's
+/// `max_exp_avg_sq` without amsgrad) and its step count. The sharded strategy (strategies/sharded.hpp) cuts such a
+/// state into the pieces each rank steps and puts it back together; a sharded checkpoint (checkpoint/sharded.hpp)
+/// writes each rank's pieces by name.
 
-#include "volt/checkpoint.hpp"
 #include "volt/detail/optimizer_family.hpp"
 #include "volt/errors.hpp"
-#include "volt/optim/fused.hpp"
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace volt::detail {
+
+/// The key LibTorch files the state of the parameter whose TensorImpl is `impl` under (its address as a string on
+/// 1.13, the address itself on 2.x).
+template <class StateMap>
+auto state_key(const StateMap&, const void* impl) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;  // as 1.13's c10::guts::to_string writes it
+    text << impl;
+    return text.str();
+  } else {
+    return const_cast<Key>(impl);
+  }
+}
+
 
 /// One kind of per-parameter state: its class, its tensors and its step count.
 template <class State>
@@ -30,6 +49,7 @@ template <class S>
 struct AdamStateCodec {
   using State = S;
   static constexpr std::size_t fields = 3;
+  static constexpr std::array<const char*, 3> names{"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   static std::vector<at::Tensor> tensors(const State& s) { return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}; }
   static std::unique_ptr<State> make(const std::vector<at::Tensor>& t, int64_t step) {
     auto s = std::make_unique<State>();
@@ -50,6 +70,7 @@ template <>
 struct StateCodec<torch::optim::SGDParamState> {
   using State = torch::optim::SGDParamState;
   static constexpr std::size_t fields = 1;
+  static constexpr std::array<const char*, 1> names{"momentum_buffer"};
   static std::vector<at::Tensor> tensors(const State& s) { return {s.momentum_buffer()}; }
   static std::unique_ptr<State> make(const std::vector<at::Tensor>& t, int64_t /*step*/) {
     auto s = std::make_unique<State>();
@@ -70,14 +91,20 @@ decltype(auto) with_state_codec(const torch::optim::Optimizer& optimizer, F&& f)
     default: break;
   }
   throw ConfigError("volt: ZeRO shards the state of Adam, AdamW and SGD (torch::optim's or volt::optim's), whose state "
-                    "is elementwise; configure_optimizers returned a " + checkpoint::optimizer_kind(optimizer) +
+                    "is elementwise; configure_optimizers returned a " + optimizer_family_name(optimizer) +
                     ": return one of those, or train with DDP.");
+}
+
+/// Whether `optimizer`'s state is one `with_state_codec` knows.
+inline bool has_state_codec(const torch::optim::Optimizer& optimizer) {
+  const OptimizerFamily f = optimizer_family(optimizer);
+  return f == OptimizerFamily::adamw || f == OptimizerFamily::adam || f == OptimizerFamily::sgd;
 }
 
 /// The state `optimizer` keeps for `p`, or null.
 inline torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& optimizer, const at::Tensor& p) {
   auto& map = optimizer.state();
-  const auto it = map.find(optim::detail::state_key(map, p.unsafeGetTensorImpl()));
+  const auto it = map.find(state_key(map, p.unsafeGetTensorImpl()));
   return it == map.end() ? nullptr : it->second.get();
 }
 
@@ -85,7 +112,7 @@ inline torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& op
 inline std::unique_ptr<torch::optim::OptimizerParamState> take_state(torch::optim::Optimizer& optimizer,
                                                                      const at::Tensor& p) {
   auto& map = optimizer.state();
-  const auto it = map.find(optim::detail::state_key(map, p.unsafeGetTensorImpl()));
+  const auto it = map.find(state_key(map, p.unsafeGetTensorImpl()));
   if (it == map.end()) return nullptr;
   std::unique_ptr<torch::optim::OptimizerParamState> out = std::move(it->second);
   map.erase(it);
@@ -96,7 +123,7 @@ inline std::unique_ptr<torch::optim::OptimizerParamState> take_state(torch::opti
 inline void put_state(torch::optim::Optimizer& optimizer, const at::Tensor& p,
                       std::unique_ptr<torch::optim::OptimizerParamState> state) {
   auto& map = optimizer.state();
-  map[optim::detail::state_key(map, p.unsafeGetTensorImpl())] = std::move(state);
+  map[state_key(map, p.unsafeGetTensorImpl())] = std::move(state);
 }
 
 /// The bytes of every tensor of `optimizer`'s per-parameter states (what a rank holds of it).

@@ -129,6 +129,158 @@ struct AdamRegressorImpl : vt::RegressorImpl {
 TORCH_MODULE(AdamRegressor);
 }  // namespace
 
+namespace {
+
+/// A small net with a buffer, and AdamW over two groups of different learning rates stepped 3 times: a sharded
+/// checkpoint of it (a world of one, through the format's own calls) and the full file of the same state.
+struct ShardedCase {
+  torch::nn::Sequential net{torch::nn::Linear(3, 5), torch::nn::BatchNorm1d(5), torch::nn::Linear(5, 2)};
+  std::vector<std::vector<at::Tensor>> groups;
+  std::unique_ptr<torch::optim::AdamW> adam;
+  ShardedCase() {
+    torch::manual_seed(3);
+    const auto p = net->parameters();
+    groups = {{p[0], p[1]}, {p[2], p[3], p[4], p[5]}};
+    std::vector<torch::optim::OptimizerParamGroup> pg;
+    pg.emplace_back(groups[0], std::make_unique<torch::optim::AdamWOptions>(0.01));
+    pg.emplace_back(groups[1], std::make_unique<torch::optim::AdamWOptions>(0.003));
+    adam = std::make_unique<torch::optim::AdamW>(std::move(pg));
+    for (int i = 0; i < 3; ++i) {
+      adam->zero_grad();
+      net->forward(torch::randn({4, 3})).pow(2).mean().backward();
+      adam->step();
+    }
+  }
+  void save_full(const std::string& path) {
+    auto d = volt::checkpoint::make_dict();
+    d.insert("state_dict", volt::checkpoint::module_state(*net));
+    c10::impl::GenericList o(c10::TensorType::get());
+    o.push_back(volt::checkpoint::optimizer_state(*adam));
+    d.insert("optimizer_states", o);
+    volt::checkpoint::save(path, d);
+  }
+  void save_sharded(const std::string& path) {
+    volt::checkpoint::ShardedSave s;
+    const auto params = net->parameters();
+    for (const auto& p : net->named_parameters()) {
+      s.names.push_back(p.key());
+      s.shapes.push_back(p.value().sizes().vec());
+    }
+    s.slices = volt::checkpoint::replicated_slices(params, 0, 1);
+    s.optimizers.push_back({adam.get(), {{0, 1}, {2, 3, 4, 5}}});
+    s.meta.insert("state_dict", volt::checkpoint::buffer_state(*net));
+    c10::impl::GenericList o(c10::TensorType::get());
+    o.push_back(volt::checkpoint::optimizer_skeleton(*adam, groups));
+    s.meta.insert("optimizer_states", o);
+    s.all_gather = [](const std::string& b) { return std::vector<std::string>{b}; };
+    volt::checkpoint::save_sharded({path}, s);
+  }
+};
+
+/// The AdamW state and the groups' learning rates an archive gives a fresh optimizer over a net's parameters.
+std::pair<std::vector<at::Tensor>, std::vector<double>> adamw_of(const at::Tensor& archive) {
+  ShardedCase fresh;  // its own state is replaced
+  volt::checkpoint::load_optimizer_state(*fresh.adam, archive, "test");
+  std::vector<at::Tensor> state;
+  std::vector<double> lrs;
+  for (const auto& g : fresh.adam->param_groups()) {
+    lrs.push_back(g.options().get_lr());
+    for (const auto& p : g.params()) {
+      const auto* st = volt::detail::find_state(*fresh.adam, p);
+      REQUIRE(st != nullptr);
+      const auto& a = static_cast<const torch::optim::AdamWParamState&>(*st);
+      state.push_back(torch::tensor({static_cast<double>(a.step())}));
+      state.push_back(a.exp_avg().flatten().to(torch::kDouble));
+      state.push_back(a.exp_avg_sq().flatten().to(torch::kDouble));
+    }
+  }
+  return {state, lrs};
+}
+
+}  // namespace
+
+TEST_CASE("sharded checkpoints: the full file's contents, a folder swapped in atomically, and clear errors for damaged "
+          "folders", "[checkpoint]") {
+  const fs::path dir = scratch("sharded");
+  ShardedCase c;
+  const std::string full = (dir / "full.ckpt").string(), sharded = (dir / "sharded.ckpt").string();
+  c.save_full(full);
+  std::ofstream(sharded) << "an older file at the same path";  // replaced by the folder in one step
+  c.save_sharded(sharded);
+  REQUIRE(volt::checkpoint::is_sharded(sharded));
+  for (const auto& e : fs::directory_iterator(dir)) CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
+
+  const auto a = volt::checkpoint::read(full), b = volt::checkpoint::read(sharded);
+  const auto wa = a.at("state_dict").toGenericDict(), wb = b.at("state_dict").toGenericDict();
+  CHECK(wa.size() == wb.size());
+  for (const auto& e : wa) {
+    INFO(e.key().toStringRef());
+    REQUIRE(wb.contains(e.key()));
+    CHECK(torch::equal(e.value().toTensor(), wb.at(e.key()).toTensor()));
+  }
+  const auto [sa, la] = adamw_of(a.at("optimizer_states").toListRef()[0].toTensor());
+  const auto [sb, lb] = adamw_of(b.at("optimizer_states").toListRef()[0].toTensor());
+  CHECK(la == std::vector<double>{0.01, 0.003});
+  CHECK(lb == la);
+  CHECK(torch::equal(torch::cat(sa), torch::cat(sb)));
+  CHECK(torch::cat(sa)[0].item<double>() == 3);  // steps
+
+  auto expect_error = [&](const fs::path& p, const std::string& what) {
+    INFO(p);
+    try {
+      volt::checkpoint::read(p.string());
+      FAIL("no error for " << p);
+    } catch (const volt::CheckpointError& e) {
+      CHECK_THAT(e.what(), Contains(p.string()) && Contains(what));
+    }
+  };
+  auto copy = [&](const std::string& name) {
+    fs::remove_all(dir / name);
+    fs::copy(sharded, dir / name);
+    return dir / name;
+  };
+  const std::string rank_file = "rank-00000-of-00001.safetensors";
+  {
+    const fs::path p = copy("flipped.ckpt");
+    auto bytes = vt::read_bytes(p / rank_file);
+    bytes[bytes.size() - 3] ^= 0x10;  // a byte of the last tensor
+    write_bytes(p / rank_file, bytes);
+    expect_error(p, "has a damaged " + rank_file);
+  }
+  {
+    const fs::path p = copy("missing.ckpt");
+    fs::remove(p / rank_file);
+    expect_error(p, "is missing " + rank_file);
+  }
+  auto rewrite_index = [&](const fs::path& p, const std::function<void(nlohmann::json&)>& change, bool sum) {
+    std::ifstream in(p / "index.json");
+    nlohmann::json index = nlohmann::json::parse(in);
+    change(index);
+    if (sum) {
+      index.erase("checksum");
+      index["checksum"] = volt::checkpoint::detail::crc(0, index.dump());
+    }
+    std::ofstream(p / "index.json") << index.dump(1);
+  };
+  {
+    const fs::path p = copy("edited.ckpt");
+    rewrite_index(p, [](nlohmann::json& i) { i["world_size"] = 2; }, false);
+    expect_error(p, "does not match its checksum");
+  }
+  {  // a piece short: its tensor is not covered
+    const fs::path p = copy("gap.ckpt");
+    rewrite_index(p, [](nlohmann::json& i) { i["tensors"]["state_dict.0.weight"]["pieces"][0]["numel"] = 14; }, true);
+    expect_error(p, "holds 14 of the 15 elements of state_dict.0.weight");
+  }
+  fs::create_directories(dir / "plain_folder.ckpt");
+  expect_error(dir / "plain_folder.ckpt", "is a folder and not a sharded checkpoint");
+
+  c.save_full(sharded);  // a file again, in place of the folder, in one step
+  CHECK(fs::is_regular_file(sharded));
+  const auto again = volt::checkpoint::read(sharded).at("state_dict").toGenericDict();
+  CHECK(torch::equal(again.at("0.weight").toTensor(), wa.at("0.weight").toTensor()));
+}
+
 TEST_CASE("every input the checkpoint fuzzer kept is refused with a CheckpointError", "[checkpoint][fuzz]") {
   // test/fuzz/regressions/bytes: files that once made the reader fault (scripts/fuzz.sh replays them under
   // libFuzzer too; here they also run in every lane, and under the sanitizer lane's AddressSanitizer).

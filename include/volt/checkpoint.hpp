@@ -1,7 +1,8 @@
 #pragma once
 /// \file
 /// Checkpoint files: one file per checkpoint, in the zip format of PyTorch's `torch.save` (written with
-/// `torch::pickle_save`), so Python reads it with `torch.load(path)`:
+/// `torch::pickle_save`), so Python reads it with `torch.load(path)` (the full form; the sharded form, a folder of each
+/// rank's pieces that `read` gives as these same contents, is volt/checkpoint/sharded.hpp):
 ///
 /// | key | contents |
 /// |---|---|
@@ -25,7 +26,8 @@
 ///
 /// This file is the format and its generic pieces (checked read, weights, optimizer archives, generators); the
 /// byte-level pieces under them (the checksum, bounded zip reads, pickle length checks) are volt/checkpoint/bytes.hpp,
-/// the atomic writes volt/checkpoint/files.hpp, the safetensors format volt/checkpoint/safetensors.hpp, and saving
+/// the atomic writes volt/checkpoint/files.hpp, the safetensors format volt/checkpoint/safetensors.hpp, the sharded
+/// form volt/checkpoint/sharded.hpp, and saving
 /// (stamping, serialising, the asynchronous writer, the safetensors file beside a checkpoint)
 /// volt/checkpoint/writer.hpp. What a fit writes into it and reads back to
 /// resume, each entry's writer next to its reader, is volt/connectors/checkpoint_connector.hpp.

@@ -40,6 +40,8 @@
 /// | `forward_scope(Stage) -> ForwardScope` | held around each call of a step that runs the module's forward (training_step, validation_step, ...): FSDP gathers the root unit there |
 /// | `finish_fit()` | after a fit that completed, before teardown (FSDP gathers the parameters back into the module) |
 /// | `teardown()` | after a fit, also one that failed (validate, test and predict have none: they change nothing a fit set up) |
+/// | `state_dict_type() -> StateDictType` (optional) | `sharded`: checkpoints as a folder of every rank's pieces (checkpoint/sharded.hpp), with `state_slices() -> std::vector<checkpoint::Slice>` (what this rank writes of the parameters) and `full_param_groups(torch::optim::Optimizer&)` (its groups in the layout of an unsharded run); absent: `full` |
+/// | `window_gradient(std::size_t j) -> at::Tensor` (optional) | collective: parameter `j`'s gradients of a running accumulation window where they are not in its `.grad` (FSDP), for a checkpoint |
 ///
 /// Writing your own: derive from `StrategyDefaults` (a world of one with no gradient work: its collectives
 /// are identities, the backward hooks and teardown no-ops, no backend) and write the rest; copy `SingleDevice`

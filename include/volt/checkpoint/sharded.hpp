@@ -22,7 +22,7 @@
 #include "volt/checkpoint.hpp"
 #include "volt/checkpoint/safetensors.hpp"
 #include "volt/checkpoint/writer.hpp"
-#include "volt/detail/optimizer_state.hpp"
+#include "volt/checkpoint/optimizer_state.hpp"
 
 #include <nlohmann/json.hpp>
 #include <torch/optim/adam.h>

@@ -9,7 +9,7 @@
 /// `_fused_sgd_`) per parameter group and device/dtype, where LibTorch has it: from LibTorch 2.4 on, on the CPU and
 /// on CUDA. Elsewhere (LibTorch 1.13, sparse gradients, other devices or dtypes) the step is LibTorch's own.
 
-#include "volt/detail/optimizer_state.hpp"
+#include "volt/checkpoint/optimizer_state.hpp"
 #include "volt/detail/torch_compat.hpp"
 
 #include <torch/optim/optimizer.h>

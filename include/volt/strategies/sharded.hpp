@@ -11,7 +11,7 @@
 /// given this rank's pieces in place of the parameters. On the micro-batch that steps, each bucket is
 /// reduce-scattered as its last gradient arrives; after the step every bucket is all-gathered in place. A checkpoint
 /// gathers the pieces' states into the layout of an unsharded run, and a resume cuts any such state by this run's
-/// world size (detail/optimizer_state.hpp).
+/// world size (checkpoint/optimizer_state.hpp).
 
 #include "volt/checkpoint.hpp"
 #include "volt/errors.hpp"
@@ -22,7 +22,7 @@
 #include "volt/strategies/reducer.hpp"
 #include "volt/strategies/shard_layout.hpp"
 #include "volt/strategies/concept.hpp"
-#include "volt/detail/optimizer_state.hpp"
+#include "volt/checkpoint/optimizer_state.hpp"
 
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>

@@ -1,16 +1,20 @@
 // ZeRO and FSDP against DDP on the CPU (JSON lines), under `mpirun -np W` (W = 2 or 4) or plainly with --devices W
 // (Script starts the other ranks):
 //   zero [--devices W] [--rounds 3] [--steps 40] [--warmup 5] [--width 1536] [--hidden 2] [--bucket-mb 25]
+//        [--mmap-threshold-mb 0]
 // In one job, rounds interleaved: DDP, ZeRO<1>, ZeRO<2> and FSDP (each layer a unit; units freed after forward, and
 // kept to backward) fits of an MLP 784-width-...-10 with `hidden` layers of
-// `width` (about 3.6 million parameters by default: one gradient bucket) with Adam, batch 32 per rank, one intra-op
-// thread per rank, gradient buckets of `bucket-mb` MiB (the first at most 1 MiB) for all three. Rank 0 prints, per strategy, the
+// `width` (about 3.6 million parameters by default: one gradient bucket; `--width 1024 --hidden 12`, 12.4 million in
+// units each a small part of the model, as a transformer's blocks, is FSDP's case) with Adam, batch 32 per rank, one
+// intra-op thread per rank, gradient buckets of `bucket-mb` MiB (the first at most 1 MiB) for all three. Rank 0 prints, per strategy, the
 // parameter, optimizer-state and gradient bytes a rank holds between steps (the largest over the ranks), the process's peak
 // resident memory during the fit and its growth over the resident size at the fit's start (the largest over the
 // ranks; before each fit the freed memory is handed back with malloc_trim and the peak reset), and the median step
 // time; then the ratios to DDP (state and gradient bytes, peak memory and its growth, steps per second). The growth is
 // what the strategy changes: the peak adds LibTorch's, MPI's and the data's resident memory, the same for all. The
-// model state is the three byte counts together (DDP's: 16 bytes a parameter with Adam in float32).
+// model state is the three byte counts together (DDP's: 16 bytes a parameter with Adam in float32). glibc maps every
+// block of at least `mmap-threshold-mb` MiB and unmaps it when freed, for every strategy alike (0: its own threshold,
+// which rises with the largest block freed; main() says what that does to FSDP's figure).
 //
 //   zero --fit-once ddp|zero2|fsdp [--width N] [--hidden N] [--steps N] [--warmup N]
 // One fit of one strategy (bench/zero_capacity.sh runs it under a per-rank memory limit): each rank first joins the
@@ -106,7 +110,7 @@ bool rank_zero = false;
 
 struct Config {
   int devices = 0, rounds = 3, hidden = 2;
-  int64_t steps = 40, warmup = 5, width = 1536, bucket_mb = 25;
+  int64_t steps = 40, warmup = 5, width = 1536, bucket_mb = 25, mmap_threshold_mb = 0;
 };
 int64_t parameters = 0;
 
@@ -189,9 +193,10 @@ int main(int argc, char** argv) {
     else if (a == "--width") c.width = std::stoll(v);
     else if (a == "--hidden") c.hidden = std::stoi(v);
     else if (a == "--bucket-mb") c.bucket_mb = std::stoll(v);
+    else if (a == "--mmap-threshold-mb") c.mmap_threshold_mb = std::stoll(v);
     else {
       std::cerr << "zero: unknown argument " << a << "; allowed: --devices W --rounds N --steps N --warmup N "
-                << "--width N --hidden N --bucket-mb N --fit-once ddp|zero2|fsdp\n";
+                << "--width N --hidden N --bucket-mb N --mmap-threshold-mb N --fit-once ddp|zero2|fsdp\n";
       return 2;
     }
   }
@@ -199,6 +204,16 @@ int main(int argc, char** argv) {
     std::cerr << "zero: --hidden and --bucket-mb take a positive number, got " << c.hidden << " and " << c.bucket_mb << "\n";
     return 2;
   }
+  if (c.mmap_threshold_mb < 0 || c.mmap_threshold_mb > 32) {
+    std::cerr << "zero: --mmap-threshold-mb takes 0 (glibc's own, moving threshold) to 32, got " << c.mmap_threshold_mb
+              << "\n";
+    return 2;
+  }
+  // A fixed threshold: blocks of at least that size are mapped and handed back when freed, for every strategy alike.
+  // glibc's default moves its threshold up to the largest block freed so far, after which blocks of a unit's size come
+  // from the heap and stay resident when freed: fully sharded training, which frees and gathers each unit every step,
+  // then shows the heap's high-water mark, not what it holds (a GPU's caching allocator reuses such blocks instead).
+  if (c.mmap_threshold_mb > 0) mallopt(M_MMAP_THRESHOLD, static_cast<int>(c.mmap_threshold_mb << 20));
   if (c.devices == 0) {  // under mpirun: its size
     const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
     c.devices = size != nullptr ? std::stoi(size) : 2;

@@ -27,6 +27,17 @@ void write_bytes(const fs::path& p, const std::vector<char>& b) {
   std::ofstream(p, std::ios::binary).write(b.data(), static_cast<std::streamsize>(b.size()));
 }
 
+/// Reading the checkpoint at `p` throws a CheckpointError that names it and says `what`.
+void expect_error(const fs::path& p, const std::string& what) {
+  INFO(p);
+  try {
+    volt::checkpoint::read(p.string());
+    FAIL("no error for " << p);
+  } catch (const volt::CheckpointError& e) {
+    CHECK_THAT(e.what(), Contains(p.string()) && Contains(what));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("checkpoint files: round trip, and clear errors for missing, empty, cut, corrupt and foreign files",
@@ -52,15 +63,6 @@ TEST_CASE("checkpoint files: round trip, and clear errors for missing, empty, cu
   for (const auto& e : fs::directory_iterator(dir)) CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
 
   const auto bytes = vt::read_bytes(good);
-  auto expect_error = [&](const fs::path& p, const std::string& what) {
-    INFO(p);
-    try {
-      volt::checkpoint::read(p.string());
-      FAIL("no error for " << p);
-    } catch (const volt::CheckpointError& e) {
-      CHECK_THAT(e.what(), Contains(p.string()) && Contains(what));
-    }
-  };
   expect_error(dir / "missing.ckpt", "no checkpoint at");
   write_bytes(dir / "empty.ckpt", {});
   expect_error(dir / "empty.ckpt", "is empty");
@@ -225,15 +227,6 @@ TEST_CASE("sharded checkpoints: the full file's contents, a folder swapped in at
   CHECK(torch::equal(torch::cat(sa), torch::cat(sb)));
   CHECK(torch::cat(sa)[0].item<double>() == 3);  // steps
 
-  auto expect_error = [&](const fs::path& p, const std::string& what) {
-    INFO(p);
-    try {
-      volt::checkpoint::read(p.string());
-      FAIL("no error for " << p);
-    } catch (const volt::CheckpointError& e) {
-      CHECK_THAT(e.what(), Contains(p.string()) && Contains(what));
-    }
-  };
   auto copy = [&](const std::string& name) {
     fs::remove_all(dir / name);
     fs::copy(sharded, dir / name);

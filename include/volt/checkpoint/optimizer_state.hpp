@@ -101,6 +101,13 @@ inline bool has_state_codec(const torch::optim::Optimizer& optimizer) {
   return f == OptimizerFamily::adamw || f == OptimizerFamily::adam || f == OptimizerFamily::sgd;
 }
 
+/// Each of `optimizer`'s groups' parameters, in order.
+inline std::vector<std::vector<at::Tensor>> param_lists(const torch::optim::Optimizer& optimizer) {
+  std::vector<std::vector<at::Tensor>> lists;
+  for (const auto& group : optimizer.param_groups()) lists.push_back(group.params());
+  return lists;
+}
+
 /// The state `optimizer` keeps for `p`, or null.
 inline torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& optimizer, const at::Tensor& p) {
   auto& map = optimizer.state();

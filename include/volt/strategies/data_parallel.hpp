@@ -11,6 +11,7 @@
 /// steps, what a checkpoint gathers) is the layout's `Holder` (strategies/replicated.hpp says its shape), to which the
 /// strategy's members forward, handing it the strategy; a layout reaches the strategy through its public members only.
 
+#include "volt/checkpoint/optimizer_state.hpp"
 #include "volt/data/concept.hpp"
 #include "volt/launchers/script.hpp"
 #include "volt/launchers/spawn.hpp"
@@ -174,9 +175,7 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   /// `optimizer`'s groups in the layout of an unsharded run (ZeRO: the module's parameters, not this rank's pieces).
   std::vector<std::vector<at::Tensor>> full_param_groups(torch::optim::Optimizer& optimizer) const {
     if constexpr (requires { holder_.full_param_groups(optimizer); }) return holder_.full_param_groups(optimizer);
-    std::vector<std::vector<at::Tensor>> groups;
-    for (const auto& group : optimizer.param_groups()) groups.push_back(group.params());
-    return groups;
+    return detail::param_lists(optimizer);
   }
   /// FSDP: each rank keeps its shard of the whole state given.
   void load_module_state(torch::nn::Module& module, const checkpoint::Dict& state) {

@@ -66,9 +66,7 @@ class ShardedHolder {
       optimizer_ = &optimizer;
       compute_dtype_ = g.compute_dtype();
       sync_every_micro_batch_ = g.sync_every_micro_batch();
-      std::vector<std::vector<at::Tensor>> full;
-      for (auto& group : optimizer.param_groups()) full.push_back(group.params());
-      full_params_[&optimizer] = std::move(full);
+      full_params_[&optimizer] = param_lists(optimizer);
       return;
     }
     reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), first, others,
@@ -216,10 +214,7 @@ class ShardedHolder {
   /// The groups `optimizer` was given (the module's parameters, where it now steps pieces).
   std::vector<std::vector<at::Tensor>> full_param_groups(torch::optim::Optimizer& optimizer) const {
     const auto full = full_params_.find(&optimizer);
-    if (full != full_params_.end()) return full->second;
-    std::vector<std::vector<at::Tensor>> groups;
-    for (const auto& group : optimizer.param_groups()) groups.push_back(group.params());
-    return groups;
+    return full != full_params_.end() ? full->second : param_lists(optimizer);
   }
 
   /// Collective: the optimizer's state in the layout of an unsharded run, as bytes on rank zero (empty elsewhere).

@@ -3,7 +3,7 @@
 # must import a CUDA build of torch), runs the whole test suite (the gpu-labelled tests included) and the GPU
 # benchmarks and the quick start on the GPU, and prints a one-screen summary. Exits non-zero if anything failed.
 #
-#   bash scripts/gpu-check.sh [--deps DIR] [--data-dir DIR] [--build DIR] [--jobs N] [--with-compile-fail]
+#   bash scripts/gpu-check.sh [--deps DIR] [--data-dir DIR] [--build DIR] [--jobs N] [--label L] [--with-compile-fail]
 #
 # --deps DIR      .deb files of Boost.MPI/Serialization 1.74 and Catch2 2.13 for a host that lacks them (fetch them
 #                 on a Debian 12 machine with `apt-get download libboost-mpi1.74.0 libboost-mpi1.74-dev
@@ -12,16 +12,19 @@
 #                 MPI stays in charge.
 # --data-dir DIR  the four Fashion-MNIST *-ubyte.gz files (default /usr/share/datasets/fashion-mnist); without
 #                 them the quick start is skipped.
+# --label L       run only the tests labelled L (gpu: those that need the device; the whole suite takes longer than
+#                 one 10-minute call there)
 # --with-compile-fail  also run the compile-fail tests (compiler checks, already run on every CPU lane).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-deps="" data=/usr/share/datasets/fashion-mnist build=build-gpu jobs=$(nproc) compile_fail=0
+deps="" data=/usr/share/datasets/fashion-mnist build=build-gpu jobs=$(nproc) compile_fail=0 label=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --deps) deps=$2; shift 2 ;;
     --data-dir) data=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
+    --label) label=$2; shift 2 ;;
     --with-compile-fail) compile_fail=1; shift ;;
     *) echo "usage: see the top of scripts/gpu-check.sh" >&2; exit 2 ;;
   esac
@@ -56,6 +59,7 @@ t_build=$(( $(date +%s) - t0 ))
 
 ctest_filter=()
 [ "$compile_fail" = 1 ] || ctest_filter=(-LE compile_fail)
+[ -z "$label" ] || ctest_filter+=(-L "$label")
 t1=$(date +%s)
 ctest --test-dir "$build" -j6 --output-on-failure "${ctest_filter[@]}" > "$log/ctest.txt" 2>&1
 ctest_rc=$?

@@ -29,6 +29,8 @@
 //   distributed gpu-zero <script|spawn>               the same with ZeRO<2, L, Nccl>
 //   distributed gpu-mesh                              Nccl on a 1x1 mesh's axes (split, and from own ids): reduce,
 //                                                     gather, send to itself; exits 77 without CUDA or NCCL
+//   distributed gpu-fsdp                              FSDP<Script, Nccl> with Bf16Mixed on one GPU == SingleDevice;
+//                                                     its sharded checkpoint == its full file; exits 77 likewise
 //   distributed gpu-ddp <script|spawn>                DDP<L, Nccl> with Bf16Mixed on one GPU (world size 1: NCCL
 //                                                     refuses two ranks on one device) == SingleDevice; exits 77
 //                                                     where CUDA or NCCL is missing
@@ -1838,6 +1840,100 @@ int gpu_ddp_scenario() {
 #endif
 }
 
+/// The weights and Adam moments a checkpoint (either form) holds, read back by LibTorch's Adam over a fresh FsdpNet.
+torch::Tensor fsdp_state_in(const std::string& path) {
+  const auto file = volt::checkpoint::read(path);
+  std::vector<torch::Tensor> all;
+  for (const auto& e : file.at(volt::checkpoint::keys::state_dict).toGenericDict()) {
+    all.push_back(e.value().toTensor().flatten().to(torch::kFloat64));
+  }
+  FsdpNetImpl fresh;
+  torch::optim::Adam adam(fresh.parameters(), torch::optim::AdamOptions(0.01));
+  volt::checkpoint::load_optimizer_state(
+      adam, file.at(volt::checkpoint::keys::optimizer_states).toListRef()[0].toTensor(), path);
+  for (const auto& p : fresh.parameters()) {
+    const auto it = adam.state().find(volt::optim::detail::state_key(adam.state(), p.unsafeGetTensorImpl()));
+    check(it != adam.state().end(), path + ": Adam state for every parameter");
+    if (it == adam.state().end()) continue;
+    const auto& st = static_cast<const torch::optim::AdamParamState&>(*it->second);
+    all.push_back(st.exp_avg().flatten().to(torch::kFloat64));
+    all.push_back(st.exp_avg_sq().flatten().to(torch::kFloat64));
+  }
+  return torch::cat(all);
+}
+
+/// Saves the state after optimizer step 4 in both forms: `<dir>/full.ckpt` and the folder `<dir>/sharded.ckpt`.
+struct SaveBothForms {
+  std::string dir;
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
+    if (trainer.global_step() != 4 || std::filesystem::exists(dir + "/full.ckpt")) return;
+    trainer.save_checkpoint(dir + "/full.ckpt");
+    trainer.strategy().set_state_dict_type(volt::StateDictType::sharded);
+    trainer.save_checkpoint(dir + "/sharded.ckpt");
+    trainer.strategy().set_state_dict_type(volt::StateDictType::full);
+  }
+};
+
+/// FSDP at world size 1 against SingleDevice: FsdpNet's five units under Bf16Mixed (gathered in bfloat16, their
+/// storage freed between steps), with accumulation over 3, clipping and activation checkpointing, the same options on
+/// both; a checkpoint of the pieces in the sharded form holds the full file's weights and Adam state. On the GPU over
+/// NCCL (which refuses two ranks on one device: world size 1 is what one GPU can run), on the CPU over MPI.
+template <class Backend, class Accelerator>
+int fsdp_world_one_scenario() {
+  constexpr bool gpu = std::is_same_v<Accelerator, volt::GPU>;
+  if (gpu && !volt::GPU::is_available()) {
+    std::cout << "no CUDA device visible: skipped" << std::endl;
+    return 77;
+  }
+  const std::string what = std::string("FSDP<Script, ") + Backend::name + "> on the " + (gpu ? "GPU" : "CPU");
+  const volt::TrainerOptions options{.devices = 1, .max_epochs = 2, .accumulate_grad_batches = 3,
+                                     .gradient_clip_val = 0.05};
+  auto [x, y] = data(96);
+  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}); };
+  const auto dir = std::filesystem::temp_directory_path() / ("volt_fsdp_world_one_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  FsdpNetImpl net, ref, untrained;
+  net.which = ref.which = volt::ActivationCheckpointing{.every = 1};
+  HeldBetweenSteps held;
+  auto trainer = volt::make_trainer<volt::FSDP<volt::Script, Backend>, volt::Bf16Mixed, Accelerator>(
+      options, held, SaveBothForms{dir.string()});
+  trainer.fit(net, loader());
+  auto reference = volt::make_trainer<volt::SingleDevice, volt::Bf16Mixed, Accelerator>(options);
+  reference.fit(ref, loader());
+  const torch::Tensor got = flat(net).cpu(), want = flat(ref).cpu();
+  const double diff = (got - want).abs().max().template item<double>();
+  std::cout << "max |" << what << " - SingleDevice| (Bf16Mixed) = " << diff << std::endl;
+  check(trainer.global_step() == reference.global_step(), "both ran the same number of steps");
+  check(!torch::equal(want, flat(untrained)), "the reference trained");
+  // As on several ranks (fsdp ... bf16): the same bfloat16 products; float32 sums in another order.
+  check(torch::allclose(got, want, 1e-4, 1e-5), what + " at world size 1 equals SingleDevice");
+  check(net.dtypes == std::set<std::string>{"BFloat16"}, "the blocks ran forward with bfloat16 weights (saw " +
+                                                            std::to_string(net.dtypes.size()) + " dtypes)");
+  check(*held.module_bytes == 0, "between steps the module's parameters hold no storage (saw " +
+                                     std::to_string(*held.module_bytes) + " bytes)");
+  check(net.parameters().front().device().is_cuda() == gpu, "after the fit the module is on its device");
+  const std::string full = (dir / "full.ckpt").string(), sharded = (dir / "sharded.ckpt").string();
+  check(volt::checkpoint::is_sharded(sharded), "the sharded save wrote a folder with an index");
+  if (std::filesystem::exists(full) && volt::checkpoint::is_sharded(sharded)) {
+    check(torch::equal(fsdp_state_in(full), fsdp_state_in(sharded)),
+          "the sharded form holds the full file's weights and Adam state, bit for bit");
+  }
+  std::filesystem::remove_all(dir);
+  if (failures == 0) std::cout << what << ": equals SingleDevice; both checkpoint forms agree" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
+int gpu_fsdp_scenario() {
+#if VOLT_WITH_NCCL
+  return fsdp_world_one_scenario<volt::Nccl, volt::GPU>();
+#else
+  std::cout << "volt::nccl is not linked (no NCCL or no CUDA LibTorch at configure time): skipped" << std::endl;
+  return 77;
+#endif
+}
+
 /// Nccl on a mesh at world size 1 (NCCL refuses two ranks on one device): a 1x1 mesh's axes split from the world's
 /// communicator (ncclCommSplit) and made from their own ids (ncclCommInitRank), each all-reducing, all-gathering and
 /// sending to itself and receiving from itself in one group; exits 77 where CUDA or NCCL is missing.
@@ -2040,6 +2136,12 @@ const Mode kModes[] = {
      [](const std::vector<std::string>& a) {
        return spawn_given(a) ? gpu_ddp_scenario<volt::Spawn, true>() : gpu_ddp_scenario<volt::Script, true>();
      }},
+    {"fsdp-world-one", ": FSDP over MPI at world size 1 against SingleDevice on the CPU (Bf16Mixed, units), both "
+                       "checkpoint forms (gpu-fsdp's case on the CPU)",
+     [](const std::vector<std::string>&) { return fsdp_world_one_scenario<volt::Mpi, volt::CPU>(); }},
+    {"gpu-fsdp", ": FSDP over NCCL at world size 1 against SingleDevice on the GPU (Bf16Mixed, units), both "
+                 "checkpoint forms",
+     [](const std::vector<std::string>&) { return gpu_fsdp_scenario(); }},
     {"gpu-mesh", ": Nccl on the axes of a 1x1 mesh (split and made), sends to itself",
      [](const std::vector<std::string>&) { return gpu_mesh_scenario(); }},
     {"fail", "<script|spawn> rank step [throw|die|stall]: that rank throws, is killed or stalls at that step",

@@ -450,6 +450,30 @@ TEST_CASE("ZeRO stage 2's reducer: at most two buckets alive during backward, ea
   CHECK(reducer.gradient_bytes() == block_bytes);
 }
 
+TEST_CASE("FSDP's buffer pool: a freed unit's block comes back for the next unit that fits it",
+          "[unit][dist]") {
+  volt::detail::BufferPool pool(2);
+  SECTION("blocks: the smallest that fits and is at most twice the size; the smallest goes past the bound") {
+    c10::Allocator* cpu = c10::GetAllocator(c10::DeviceType::CPU);
+    std::size_t capacity = 0;
+    at::DataPtr big = pool.take(cpu, 1000, capacity);
+    CHECK(capacity == 1000);
+    const void* big_memory = big.get();
+    pool.give(std::move(big), capacity);
+    CHECK(pool.take(cpu, 400, capacity).get() != big_memory);  // 1000 is more than twice 400: a new block
+    CHECK(capacity == 400);
+    at::DataPtr reused = pool.take(cpu, 600, capacity);
+    CHECK(reused.get() == big_memory);
+    CHECK(capacity == 1000);
+    at::DataPtr a = pool.take(cpu, 500, capacity), b = pool.take(cpu, 2000, capacity);
+    pool.give(std::move(reused), 1000);
+    pool.give(std::move(a), 500);
+    pool.give(std::move(b), 2000);  // three kept, bound two: the 500-byte one goes, so 500 bytes get the 1000
+    CHECK(pool.take(cpu, 500, capacity).get() == big_memory);
+    CHECK(capacity == 1000);
+  }
+}
+
 TEST_CASE("SingleDevice refuses to run as one of several processes of an mpirun, srun or torchrun job",
           "[unit][dist]") {
   auto single = [] { volt::Trainer<> t; };

@@ -5,6 +5,7 @@
 /// bucket; rank r owns block r of every bucket, and its pieces are the parts of parameters inside its blocks.
 
 #include "volt/comm/concept.hpp"
+#include "volt/strategies/buffer_pool.hpp"
 #include "volt/errors.hpp"
 
 #include <torch/types.h>
@@ -130,12 +131,23 @@ class ShardLayout {
   /// Stage 3: whether bucket `bucket` holds its storage (gathered, or being gathered).
   bool holds(std::size_t bucket) const { return flats_[bucket].storage().nbytes() > 0; }
   /// Stage 3: bucket `bucket`'s storage freed; the parameters and autograd's saved views of them keep pointing at it.
-  void free(std::size_t bucket) { resize_storage(flats_[bucket], 0); }
+  void free(std::size_t bucket) {
+    c10::StorageImpl* storage = flats_[bucket].storage().unsafeGetStorageImpl();
+    if (storage->nbytes() == 0) return;
+    pool_.give(storage->set_data_ptr(at::DataPtr(nullptr, flats_[bucket].device())), capacity_[bucket]);
+    storage->set_nbytes(0);
+  }
   /// Stage 3: bucket `bucket`'s storage made again and this rank's shard put in its block, cast to the bucket's dtype
   /// (an in-place all-gather of the bucket then fills the rest).
   void fill(std::size_t bucket) {
     const at::Tensor& flat = flats_[bucket];
-    resize_storage(flat, static_cast<std::size_t>(flat.numel()) * flat.element_size());
+    c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
+    const auto nbytes = static_cast<std::size_t>(flat.numel()) * flat.element_size();
+    if (storage->nbytes() != nbytes) {
+      if (capacity_.size() <= bucket) capacity_.resize(flats_.size(), 0);
+      storage->set_data_ptr_noswap(pool_.take(storage->allocator(), nbytes, capacity_[bucket]));
+      storage->set_nbytes(nbytes);
+    }
     torch::NoGradGuard no_grad;
     block_of(flat, rank_, world_).copy_(shards_[bucket]);
   }
@@ -159,6 +171,7 @@ class ShardLayout {
     }
     flats_[bucket] = whole;
     if (bucket < shards_.size()) shards_[bucket] = at::Tensor();
+    pool_.clear();  // nothing is gathered again
   }
   /// Where parameter `param` lies: its bucket and offset, if it was laid out (it required gradients at the fit's start).
   struct Location {
@@ -183,6 +196,8 @@ class ShardLayout {
   std::vector<Location> locations_;
   std::vector<at::Tensor> flats_;
   std::vector<at::Tensor> shards_;  // stage 3
+  BufferPool pool_;                 // stage 3: the gathered buckets' memory, reused
+  std::vector<std::size_t> capacity_;  // stage 3: the bytes of each gathered bucket's block from the pool
   std::vector<ShardPiece> pieces_;
   std::unordered_map<std::size_t, std::size_t> piece_index_;
 };

@@ -98,7 +98,8 @@ volt_distributed_test(dist.fsdp.mpirun3_keep_bf16 ${VOLT_MPIEXEC} --allow-run-as
 volt_distributed_test(dist.fsdp.mpirun2_delayed ${volt_mpirun} -x VOLT_COLLECTIVE_DELAY_US=3000 ${dist} fsdp script 2 reshard)
 volt_distributed_test(dist.fsdp.mpirun4_delayed_bf16 ${mpirun4} -x VOLT_COLLECTIVE_DELAY_US=2000 ${dist} fsdp script 4 keep bf16)
 volt_distributed_test(dist.fsdp.gpt_mpirun2 ${volt_mpirun} ${dist} fsdp-gpt 2 reshard)
-# FSDP at world size 1 against SingleDevice (Bf16Mixed), its sharded checkpoint against its full file: gpu.fsdp on the CPU
+# FSDP at world size 1 against SingleDevice (Bf16Mixed), its sharded checkpoint against its full file (gpu.fsdp on the
+# CPU)
 volt_distributed_test(dist.fsdp.world_one ${dist} fsdp-world-one)
 volt_distributed_test(dist.fsdp.gpt_mpirun3_keep ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp-gpt 3 keep)
 volt_distributed_test(dist.predict.mpirun2 ${volt_mpirun} ${dist} predict script 2)

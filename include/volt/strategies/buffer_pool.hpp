@@ -1,16 +1,15 @@
 #pragma once
 /// \file
 /// `detail::BufferPool`: the memory that stage 3 (FSDP) gathers each unit into and frees again, every step, kept for
-/// reuse instead of returned to the allocator. On the CPU, glibc serves blocks under its moving mmap threshold from the heap
-/// and keeps what is freed resident, so a fit's memory grows by what was ever held at once plus the heap's fragments;
-/// above the threshold it maps and unmaps them, a page fault per page every step. A GPU's caching allocator does for
-/// CUDA tensors what this does, on every device alike.
+/// reuse instead of returned to the allocator. On the CPU, glibc serves blocks under its moving mmap threshold from the
+/// heap and keeps what is freed resident, so a fit's memory grows by what was ever held at once plus the heap's
+/// fragments; above the threshold it maps and unmaps them, a page fault per page every step. On a GPU, the caching
+/// allocator would reuse the blocks too; the pool does it on every device alike.
 
 #include <torch/types.h>
 
 #include <algorithm>
 #include <cstddef>
-#include <cstdint>
 #include <utility>
 #include <vector>
 

@@ -5,8 +5,8 @@
 /// bucket; rank r owns block r of every bucket, and its pieces are the parts of parameters inside its blocks.
 
 #include "volt/comm/concept.hpp"
-#include "volt/strategies/buffer_pool.hpp"
 #include "volt/errors.hpp"
+#include "volt/strategies/buffer_pool.hpp"
 
 #include <torch/types.h>
 #include <torch/utils.h>
@@ -99,6 +99,7 @@ class ShardLayout {
       if (apart) resize_storage(flat, 0);  // (its memory never touched) gathered where used: fill
       flats_.push_back(std::move(flat));
     }
+    capacity_.assign(flats_.size(), 0);
   }
 
   const std::vector<ShardPiece>& pieces() const { return pieces_; }
@@ -144,7 +145,6 @@ class ShardLayout {
     c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
     const auto nbytes = static_cast<std::size_t>(flat.numel()) * flat.element_size();
     if (storage->nbytes() != nbytes) {
-      if (capacity_.size() <= bucket) capacity_.resize(flats_.size(), 0);
       storage->set_data_ptr_noswap(pool_.take(storage->allocator(), nbytes, capacity_[bucket]));
       storage->set_nbytes(nbytes);
     }
@@ -196,7 +196,7 @@ class ShardLayout {
   std::vector<Location> locations_;
   std::vector<at::Tensor> flats_;
   std::vector<at::Tensor> shards_;  // stage 3
-  BufferPool pool_;                 // stage 3: the gathered buckets' memory, reused
+  BufferPool pool_;                    // stage 3: the gathered buckets' memory, reused
   std::vector<std::size_t> capacity_;  // stage 3: the bytes of each gathered bucket's block from the pool
   std::vector<ShardPiece> pieces_;
   std::unordered_map<std::size_t, std::size_t> piece_index_;

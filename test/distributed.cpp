@@ -1683,6 +1683,125 @@ int manual_refusals_scenario() {
   return failures == 0 ? 0 : 1;
 }
 
+/// FsdpNet in parts (ModelParallel, the composition of seed 004): `hsdp` on a 2x2 mesh, the blocks sharded along
+/// "shard" and replicated along "replicate" (hybrid sharding), the head replicated and `first` in no part (so replicated
+/// too); `two-parts` on one axis of every rank, the blocks and the head each a sharded part, `first` replicated.
+struct PlannedNetImpl : FsdpNetImpl {
+  std::string kind;
+  void configure_model(volt::ModelPlan& plan) {
+    plan.shard(blocks, kind == "hsdp" ? "shard" : "data");
+    if (kind == "hsdp") {
+      plan.replicate(head);
+    } else {
+      plan.shard(head, "data");
+    }
+  }
+};
+
+/// Between steps, once laid out: whether any block, and the head, hold parameter storage.
+struct PartsBetweenSteps {
+  std::shared_ptr<std::set<std::string>> seen = std::make_shared<std::set<std::string>>();
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M& net, const torch::Tensor&, const B&, int64_t) {
+    if (trainer.global_step() < 2) return;
+    int64_t blocks = 0;
+    for (const auto& p : net.blocks->parameters()) blocks += static_cast<int64_t>(p.storage().nbytes());
+    seen->insert(std::string("blocks ") + (blocks > 0 ? "held" : "freed"));
+    seen->insert(std::string("head ") + (net.head->weight.storage().nbytes() > 0 ? "held" : "freed"));
+    seen->insert(std::string("first ") + (net.first->weight.storage().nbytes() > 0 ? "held" : "freed"));
+  }
+};
+
+/// Saves once, right after optimizer step `step` (a window's end).
+struct SaveOnceAt {
+  int64_t step = 0;
+  std::string path;
+  bool done = false;
+  template <class T, class M, class B>
+  void on_train_batch_end(T& trainer, M&, const torch::Tensor&, const B&, int64_t) {
+    if (done || path.empty() || trainer.global_step() != step) return;
+    done = true;
+    trainer.save_checkpoint(path);
+  }
+};
+
+/// ModelParallel on `world` ranks (`kind`: PlannedNetImpl's), Adam with accumulation over 3 micro-batches and clipping,
+/// against the one-process loop on the global batches; between steps the sharded parts hold no parameter storage and
+/// the replicated ones do; each rank's Adam state is a sharded part's share along its axis plus the replicated parts
+/// whole. `hsdp`: a checkpoint written after step 2 (inside an epoch) resumes under ModelParallel and under DDP on the same ranks, each
+/// ending on the reference's weights; `two-parts`: a checkpoint is refused (one sharded part's optimizer state only).
+int model_parallel_scenario(int world, const std::string& kind) {
+  using MP = volt::ModelParallel<volt::Script, volt::Mpi>;
+  const int64_t n = 192;  // 4 ranks: 12 batches an epoch, 3 steps (the first window's is skipped: kSkipped)
+  const int epochs = 2, accumulate = 3;
+  const double clip = 0.05;
+  const volt::TrainerOptions options{.devices = world, .max_epochs = epochs, .accumulate_grad_batches = accumulate,
+                                     .gradient_clip_val = clip};
+  auto [x, y] = data(n);
+  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}); };
+  const bool hsdp = kind == "hsdp";
+  const std::string path = "/tmp/volt_dist_model_parallel_" + std::to_string(::getppid()) + ".ckpt";
+  PlannedNetImpl net;
+  net.kind = kind;
+  PartsBetweenSteps parts;
+  auto trainer = volt::make_trainer<MP>(options, parts, SaveOnceAt{2, hsdp ? path : ""});
+  if (hsdp) trainer.strategy().set_mesh({{"replicate", 2}, {"shard", 2}});
+  trainer.fit(net, loader());
+  const std::string what = "ModelParallel on " + std::to_string(world) + " ranks (" + kind + ")";
+  const torch::Tensor want = zero_reference<FsdpNetImpl>(world, n, epochs, accumulate, clip, /*adam=*/true);
+  const double diff = (flat(net) - want).abs().max().item<double>();
+  std::cout << what << ": max |weights - reference| = " << diff << std::endl;
+  check(torch::allclose(flat(net), want, 1e-5, 1e-6), what + ": weights equal the one-process reference");
+  const std::set<std::string> held{"blocks freed", hsdp ? "head held" : "head freed", "first held"};
+  check(*parts.seen == held, what + ": between steps the sharded parts hold no parameter storage, the replicated do (" +
+                                 std::to_string(parts.seen->size()) + " observations)");
+  // Each rank's Adam state (two float32 moments): its block of each unit along the sharded axis (a unit padded to a
+  // multiple of the axis size, the padding holding no state), the rest whole.
+  const volt::MeshAxis& axis = trainer.strategy().mesh().axis(hsdp ? "shard" : "data");
+  const auto block_of = [&](int64_t unit) {
+    const int64_t block = (unit + axis.size() - 1) / axis.size();
+    return std::clamp<int64_t>(unit - axis.rank() * block, 0, block);
+  };
+  int64_t want_elements = net.first->weight.numel() + net.first->bias.numel();
+  for (const auto& b : *net.blocks) {
+    int64_t unit = 0;
+    for (const auto& p : b->parameters()) unit += p.numel();
+    want_elements += block_of(unit);
+  }
+  const int64_t head = net.head->weight.numel() + net.head->bias.numel();
+  want_elements += hsdp ? head : block_of(head);
+  const auto got = static_cast<int64_t>(volt::detail::optimizer_state_bytes(*trainer.optimizer()));
+  check(got == want_elements * 8, what + ": this rank's Adam state is " + std::to_string(got) + " bytes (want " +
+                                      std::to_string(want_elements * 8) + ": each unit's share along the axis)");
+  if (!hsdp) {
+    std::string refused;
+    try {
+      trainer.save_checkpoint(path);
+    } catch (const volt::CheckpointError& e) {
+      refused = e.what();
+    }
+    check(refused.find("optimizer's state of one sharded part") != std::string::npos,
+          what + ": a checkpoint is refused with a CheckpointError (got \"" + refused + "\")");
+    check(!std::filesystem::exists(path), what + ": the refused checkpoint wrote no file");
+    return failures == 0 ? 0 : 1;
+  }
+  check(std::filesystem::exists(path), what + ": the checkpoint after step 2 was written");
+  PlannedNetImpl again;
+  again.kind = kind;
+  auto resumed = volt::make_trainer<MP>(options);
+  resumed.strategy().set_mesh({{"replicate", 2}, {"shard", 2}});
+  resumed.fit(again, loader(), volt::NoLoader{}, path);
+  check(torch::allclose(flat(again), want, 1e-5, 1e-6), what + ": resumed from step 2, it ends on the reference");
+  FsdpNetImpl plain;
+  auto ddp = volt::make_trainer<volt::DDP<volt::Script, volt::Mpi>>(options);
+  ddp.fit(plain, loader(), volt::NoLoader{}, path);
+  check(torch::allclose(flat(plain), want, 1e-5, 1e-6), what + ": its checkpoint resumes under DDP to the reference");
+  ddp.strategy().barrier();
+  if (trainer.is_global_zero()) std::filesystem::remove(path);
+  if (failures == 0) std::cout << what << ": equals the reference; its checkpoint resumes under it and DDP" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
 /// ManualParallel on 2 ranks, whose gradients volt does not average, with a loss weighted by tokens (which needs that
 /// average): refused in the first step (expect-failure checks the message).
 int manual_weigh_loss_scenario() {
@@ -2111,6 +2230,9 @@ const Mode kModes[] = {
      [](const std::vector<std::string>&) { return manual_refusals_scenario(); }},
     {"manual-weigh-loss", ": ManualParallel on 2 ranks with a token-weighted loss (refused)",
      [](const std::vector<std::string>&) { return manual_weigh_loss_scenario(); }},
+    {"model-parallel", "world hsdp|two-parts: ModelParallel's parts (FSDP, HSDP, DDP) against a one-process loop, "
+                       "its checkpoint resumed",
+     [](const std::vector<std::string>& a) { return model_parallel_scenario(std::stoi(a.at(1)), a.at(2)); }},
     {"mesh", ": a 2x2 and a 2x1x2 mesh on 4 ranks, collectives and sends along each axis",
      [](const std::vector<std::string>&) { return mesh_scenario(); }},
     {"mesh-fault", "die|stall: on a 2x2 mesh, rank 3 dies or stalls while rank 2 waits to receive from it",

@@ -202,3 +202,7 @@ volt_torch_python_test(optim.recipe_vs_torch
 volt_torch_python_test(weights.safetensors_python
                        "rm -rf '${resume_dir}/safetensors' && VOLT_EXPORT_DIR='${resume_dir}/safetensors' '$<TARGET_FILE:volt_tests>' '[safetensors_export]'"
                        safetensors_check.py "'${resume_dir}/safetensors' && VOLT_EXPORT_DIR='${resume_dir}/safetensors' '$<TARGET_FILE:volt_tests>' '[safetensors_import]'")
+# ModelParallel (configure_model's parts on a mesh) against a one-process loop: hybrid sharding on a 2x2 mesh with its
+# checkpoint resumed under it and DDP; two sharded parts on one axis of 3 ranks.
+volt_distributed_test(dist.model_parallel.mpirun4_hsdp ${mpirun4} ${dist} model-parallel 4 hsdp)
+volt_distributed_test(dist.model_parallel.mpirun3_two_parts ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} model-parallel 3 two-parts)

@@ -5,5 +5,6 @@
 #include "volt/strategies/concept.hpp"
 #include "volt/strategies/ddp.hpp"
 #include "volt/strategies/manual_parallel.hpp"
+#include "volt/strategies/model_parallel.hpp"
 #include "volt/strategies/single_device.hpp"
 #include "volt/strategies/zero.hpp"

@@ -272,7 +272,7 @@ class Trainer {
   // ---- shared by every run (trainer/run_impl.hpp) ----
   void check_machine();
   void apply_fast_dev_run();
-  void setup_run(torch::nn::Module& module);
+  template <class Impl> void setup_run(Impl& module);  // (a configure_model hook takes the module's type)
   void reset_state_keeping_progress();
   template <class B>
   void enter_batch(const B& batch, int64_t batch_idx);

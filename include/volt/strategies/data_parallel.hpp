@@ -32,6 +32,42 @@
 
 namespace volt {
 
+namespace detail {
+
+/// A data-parallel strategy's loader for `stage` on rank `rank` of `world`: for training, one per-epoch permutation on
+/// every rank, padded; for evaluation and prediction, the one-process batches dealt out in turn where the loader can
+/// (no sample twice, so means are over the real samples and predict's gathered results are the one-process results; a
+/// rank may get none). `pad_evaluation` (the parameters are sharded, so every forward is a collective): evaluation is
+/// padded as training is, every rank running as many batches, the last ones repeating the first samples (as PyTorch's
+/// DistributedSampler). A loader that cannot be sharded so is said once (`warned`), naming `strategy`.
+template <class Loader>
+decltype(auto) data_parallel_loader(Loader&& loader, Stage stage, int rank, int world, bool pad_evaluation,
+                                    const char* strategy, bool& warned) {
+  const auto warn_once = [&](const char* what) {
+    if (!warned && rank == 0 && world > 1) {
+      warned = true;
+      std::cerr << "volt: " << strategy << what << "\n";
+    }
+  };
+  if constexpr (data::SplittableLoader<std::remove_cvref_t<Loader>>) {
+    const bool padded = stage == Stage::train || pad_evaluation;
+    const auto split = padded ? data::Split::padded_samples : data::Split::whole_batches;
+    // Fewer evaluation batches than ranks leave some ranks none: they take part in the epoch's reductions with
+    // empty sums (connectors/logger_connector.hpp), as Lightning runs such a loader.
+    return loader.shard(rank, world, split);
+  } else if constexpr (requires { loader.shard(0, 1); }) {
+    if (stage != Stage::train) warn_once(": a loader without shard(rank, world_size, volt::data::Split) is split for "
+                                         "evaluation as for training: padded, so some samples count twice.");
+    return loader.shard(rank, world);
+  } else {
+    warn_once(" was given a loader without shard(rank, world_size); every rank iterates all of it. Shard it yourself, "
+              "or use volt::data's loaders.");
+    return std::forward<Loader>(loader);
+  }
+}
+
+}  // namespace detail
+
 template <class Layout, class L = Script, class B = AutoBackend>
 class DataParallel : public detail::ProcessGroupStrategy<L, B> {
  public:
@@ -55,28 +91,12 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
     params_ = module.parameters();
   }
 
-  /// Shards loaders that can be sharded: for training, one per-epoch permutation on every rank, padded; for
-  /// evaluation and prediction, the one-process batches dealt out in turn where the loader can (no sample twice,
-  /// so means are over the real samples and predict's gathered results are the one-process results; a rank may get
-  /// none). Where the parameters are sharded (FSDP) every forward is a collective, so evaluation is padded as training
-  /// is: every rank runs as many batches, the last ones repeating the first samples (as PyTorch's DistributedSampler).
+  /// Shards loaders that can be sharded (detail::data_parallel_loader); evaluation padded where the parameters are
+  /// sharded (FSDP), every forward being a collective.
   template <class Loader>
   decltype(auto) process_dataloader(Loader&& loader, Stage stage) {
-    if constexpr (data::SplittableLoader<std::remove_cvref_t<Loader>>) {
-      const bool padded = stage == Stage::train || Layout::stage == 3;
-      const auto split = padded ? data::Split::padded_samples : data::Split::whole_batches;
-      // Fewer evaluation batches than ranks leave some ranks none: they take part in the epoch's reductions with
-      // empty sums (connectors/logger_connector.hpp), as Lightning runs such a loader.
-      return loader.shard(this->global_rank(), this->world_size(), split);
-    } else if constexpr (requires { loader.shard(0, 1); }) {
-      if (stage != Stage::train) warn_once("a loader without shard(rank, world_size, volt::data::Split) is split for "
-                                           "evaluation as for training: padded, so some samples count twice.");
-      return loader.shard(this->global_rank(), this->world_size());
-    } else {
-      warn_once("DDP was given a loader without shard(rank, world_size); every rank iterates all of it. Shard it "
-                "yourself, or use volt::data's loaders.");
-      return std::forward<Loader>(loader);
-    }
+    return detail::data_parallel_loader(std::forward<Loader>(loader), stage, this->global_rank(), this->world_size(),
+                                        /*pad_evaluation=*/Layout::stage == 3, name, warned_);
   }
 
   /// Gradient bucket sizes in bytes (PyTorch's defaults: 1 MiB for the first bucket, 25 MiB for the rest).
@@ -204,13 +224,6 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   std::vector<std::vector<std::size_t>> bucket_layout() const { return holder_.bucket_layout(); }
 
  private:
-  void warn_once(const char* what) {
-    if (!warned_ && this->is_global_zero() && this->world_size() > 1) {
-      warned_ = true;
-      std::cerr << "volt: " << what << "\n";
-    }
-  }
-
   std::vector<torch::Tensor> params_;
   typename Layout::template Holder<B> holder_;
   std::size_t first_bucket_bytes_ = detail::kFirstBucketBytes;

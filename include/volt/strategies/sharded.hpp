@@ -111,6 +111,15 @@ class ShardedHolder {
   template <class G>
   void post_backward(G& g) {
     reducer_->finish();
+    if constexpr (requires { g.replicas(); }) {  // HSDP: the blocks averaged across the part's replicas too
+      if (synced_ && g.replicas() != nullptr) {
+        std::vector<typename B::Work> works;
+        for (const at::Tensor& block : reducer_->blocks()) {
+          works.push_back(g.replicas()->iall_reduce_(block, Reduce::mean));
+        }
+        for (auto& w : works) w.wait();
+      }
+    }
     if (units_) units_->end_backward();
     if constexpr (Stage == 3) {
       if (synced_ && !shards_) lay_out(g, *optimizer_);  // the first step's backward is over: the parameters go
@@ -156,10 +165,27 @@ class ShardedHolder {
   template <class G>
   ForwardScope forward_scope(G& g, volt::Stage stage) {
     if (!units_) return ForwardScope();
-    units_->begin_forward(stage);
-    return ForwardScope([this, &g](bool backward_follows) {
-      if (units_->end_forward(backward_follows)) unit_reducer(g);
-    });
+    begin_forward(stage);
+    return ForwardScope([this, &g](bool backward_follows) { end_forward(g, backward_follows); });
+  }
+  /// Stage 3: `forward_scope`'s two halves, for a strategy that holds several sharded parts (ModelParallel).
+  void begin_forward(volt::Stage stage) {
+    if (units_) units_->begin_forward(stage);
+  }
+  template <class G>
+  void end_forward(G& g, bool backward_follows) {
+    if (units_ && units_->end_forward(backward_follows)) unit_reducer(g);
+  }
+  /// Stage 3, during a fit: what gathers and frees the units (a strategy with several sharded parts routes each unit
+  /// to its part's).
+  UnitRuntime* units() const { return units_.get(); }
+  /// The tensors the optimizer steps for the laid-out parameters: this rank's pieces (none before the layout).
+  std::vector<at::Tensor> piece_tensors() const {
+    std::vector<at::Tensor> out;
+    if (shards_ && !whole_) {
+      for (const ShardPiece& piece : shards_->pieces()) out.push_back(piece.tensor);
+    }
+    return out;
   }
   /// Stage 3, after a fit that completed: every unit gathered back, in float32, into a whole bucket in which the module's
   /// parameters and this rank's pieces (which keep the optimizer's state, for a save after the fit) then lie, as under

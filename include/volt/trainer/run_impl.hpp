@@ -5,6 +5,7 @@
 /// Not a header of its own: include volt/trainer.hpp.
 
 #include "volt/comm/watchdog.hpp"
+#include "volt/model_plan.hpp"
 
 #include <ATen/Context.h>
 #include <c10/core/InferenceMode.h>
@@ -95,9 +96,11 @@ void Trainer<S, P, A, Cs...>::apply_fast_dev_run() {
 }
 
 /// Phase (c): seeds, determinism, the strategy's environment (and what would make it slow, said once), the module's
-/// placement and precision.
+/// placement, its plan of parts (configure_model: ModelParallel lays them out, the other strategies read nothing of
+/// it) and precision.
 template <class S, class P, class A, class... Cs>
-void Trainer<S, P, A, Cs...>::setup_run(torch::nn::Module& module) {
+template <class Impl>
+void Trainer<S, P, A, Cs...>::setup_run(Impl& module) {
   if (options_.seed) torch::manual_seed(*options_.seed);
   if (options_.deterministic) {
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
@@ -115,6 +118,10 @@ void Trainer<S, P, A, Cs...>::setup_run(torch::nn::Module& module) {
   collectives_ = detail::StrategyCollectives<strategy_type>(&strategy_);
   state_.collectives = &collectives_;
   strategy_.setup_module(module);
+  ModelPlan plan;
+  Context ctx(state_, train_store_);
+  hook<detail::hooks::configure_model>(module, ctx, plan);
+  if constexpr (requires { strategy_.apply_plan(module, plan); }) strategy_.apply_plan(module, plan);
   strategy_.set_compute_dtype(detail::compute_dtype_of<precision_type>);
   precision_.convert_module(module);
 }

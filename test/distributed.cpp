@@ -2053,6 +2053,48 @@ int gpu_fsdp_scenario() {
 #endif
 }
 
+/// ModelParallel at world size 1 against SingleDevice: PlannedNet's `hsdp` plan on a 1x1 mesh (the blocks sharded along
+/// one axis and replicated along the other, each axis a backend of its own), Adam, accumulation over 3, clipping. On the
+/// GPU over NCCL (its axes split from the world's communicator), on the CPU over MPI.
+template <class Backend, class Accelerator>
+int model_parallel_world_one_scenario() {
+  constexpr bool gpu = std::is_same_v<Accelerator, volt::GPU>;
+  if (gpu && !volt::GPU::is_available()) {
+    std::cout << "no CUDA device visible: skipped" << std::endl;
+    return 77;
+  }
+  const std::string what = std::string("ModelParallel<Script, ") + Backend::name + "> on the " + (gpu ? "GPU" : "CPU");
+  const volt::TrainerOptions options{.devices = 1, .max_epochs = 2, .accumulate_grad_batches = 3,
+                                     .gradient_clip_val = 0.05};
+  auto [x, y] = data(96);
+  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}); };
+  PlannedNetImpl net;
+  net.kind = "hsdp";
+  FsdpNetImpl ref, untrained;
+  auto trainer = volt::make_trainer<volt::ModelParallel<volt::Script, Backend>, volt::Fp32, Accelerator>(options);
+  trainer.strategy().set_mesh({{"replicate", 1}, {"shard", 1}});
+  trainer.fit(net, loader());
+  auto reference = volt::make_trainer<volt::SingleDevice, volt::Fp32, Accelerator>(options);
+  reference.fit(ref, loader());
+  const torch::Tensor got = flat(net).cpu(), want = flat(ref).cpu();
+  const double diff = (got - want).abs().max().template item<double>();
+  std::cout << "max |" << what << " - SingleDevice| = " << diff << std::endl;
+  check(!torch::equal(want, flat(untrained)), "the reference trained");
+  check(torch::allclose(got, want, 1e-5, 1e-6), what + " at world size 1 equals SingleDevice");
+  check(net.parameters().front().device().is_cuda() == gpu, "after the fit the module is on its device");
+  if (failures == 0) std::cout << what << ": equals SingleDevice" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
+int gpu_model_parallel_scenario() {
+#if VOLT_WITH_NCCL
+  return model_parallel_world_one_scenario<volt::Nccl, volt::GPU>();
+#else
+  std::cout << "volt::nccl is not linked (no NCCL or no CUDA LibTorch at configure time): skipped" << std::endl;
+  return 77;
+#endif
+}
+
 /// Nccl on a mesh at world size 1 (NCCL refuses two ranks on one device): a 1x1 mesh's axes split from the world's
 /// communicator (ncclCommSplit) and made from their own ids (ncclCommInitRank), each all-reducing, all-gathering and
 /// sending to itself and receiving from itself in one group; exits 77 where CUDA or NCCL is missing.
@@ -2264,6 +2306,11 @@ const Mode kModes[] = {
     {"gpu-fsdp", ": FSDP over NCCL at world size 1 against SingleDevice on the GPU (Bf16Mixed, units), both "
                  "checkpoint forms",
      [](const std::vector<std::string>&) { return gpu_fsdp_scenario(); }},
+    {"model-parallel-world-one", ": ModelParallel over MPI at world size 1 against SingleDevice (a 1x1 mesh, HSDP's "
+                                 "plan; gpu-model-parallel's case on the CPU)",
+     [](const std::vector<std::string>&) { return model_parallel_world_one_scenario<volt::Mpi, volt::CPU>(); }},
+    {"gpu-model-parallel", ": ModelParallel over NCCL at world size 1 against SingleDevice on the GPU (a 1x1 mesh)",
+     [](const std::vector<std::string>&) { return gpu_model_parallel_scenario(); }},
     {"gpu-mesh", ": Nccl on the axes of a 1x1 mesh (split and made), sends to itself",
      [](const std::vector<std::string>&) { return gpu_mesh_scenario(); }},
     {"fail", "<script|spawn> rank step [throw|die|stall]: that rank throws, is killed or stalls at that step",

@@ -123,6 +123,7 @@ volt_gpu_test(gpu.ddp_spawn ${dist} gpu-ddp spawn)
 volt_gpu_test(gpu.zero_script ${dist} gpu-zero script)
 volt_gpu_test(gpu.mesh ${dist} gpu-mesh)
 volt_gpu_test(gpu.fsdp ${dist} gpu-fsdp)  # its CPU twin: dist.fsdp.world_one
+volt_gpu_test(gpu.model_parallel ${dist} gpu-model-parallel)  # its CPU twin: dist.model_parallel.world_one
 set_tests_properties(gpu PROPERTIES RESOURCE_LOCK gpu)
 
 # Resuming in new processes: SIGKILL at a random step, kills during writes, 2 ranks, N -> M ranks, Python.
@@ -203,6 +204,8 @@ volt_torch_python_test(weights.safetensors_python
                        "rm -rf '${resume_dir}/safetensors' && VOLT_EXPORT_DIR='${resume_dir}/safetensors' '$<TARGET_FILE:volt_tests>' '[safetensors_export]'"
                        safetensors_check.py "'${resume_dir}/safetensors' && VOLT_EXPORT_DIR='${resume_dir}/safetensors' '$<TARGET_FILE:volt_tests>' '[safetensors_import]'")
 # ModelParallel (configure_model's parts on a mesh) against a one-process loop: hybrid sharding on a 2x2 mesh with its
-# checkpoint resumed under it and DDP; two sharded parts on one axis of 3 ranks.
+# checkpoint resumed under it and DDP; a 1x1 mesh on one rank against SingleDevice; two sharded parts on one axis of 3
+# ranks.
 volt_distributed_test(dist.model_parallel.mpirun4_hsdp ${mpirun4} ${dist} model-parallel 4 hsdp)
+volt_distributed_test(dist.model_parallel.world_one ${dist} model-parallel-world-one)
 volt_distributed_test(dist.model_parallel.mpirun3_two_parts ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} model-parallel 3 two-parts)

@@ -36,8 +36,8 @@ class ModelPlan {
     bool operator==(const Part&) const = default;
   };
 
-  /// `part` (a module or a module holder) sharded along the mesh axis `axis`, each rank on the axis keeping its shard of
-  /// every unit, and replicated along the mesh's other axis where it has two (hybrid sharding, FSDP2's HSDP).
+  /// `part` (a module or a module holder) sharded along the mesh axis `axis`, each rank on the axis keeping its shard
+  /// of every unit, and replicated along the mesh's other axis where it has two (hybrid sharding, FSDP2's HSDP).
   template <class M>
   void shard(M& part, std::string axis = "data") {
     if (axis.empty()) throw ConfigError("volt: ModelPlan::shard takes the name of a mesh axis, got an empty one.");

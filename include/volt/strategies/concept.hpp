@@ -17,6 +17,7 @@
 /// | `launch(body, transfer&) -> body's result` | the same for `fit`; `transfer` packs rank 0's result where it is computed and unpacks it in the calling process (Spawn), see detail/fit_transfer.hpp |
 /// | `setup_environment(torch::Device)` | process group, device selection (lazy: phase (c)) |
 /// | `setup_module(torch::nn::Module&)` | places the module (and broadcasts it, in data parallelism) |
+/// | `apply_plan(torch::nn::Module&, const ModelPlan&)` (optional) | after `setup_module`, what the module's `configure_model` planned (volt/model_plan.hpp): ModelParallel lays its parts out; absent: the plan is not read |
 /// | `set_compute_dtype(std::optional<torch::Dtype>)` | after it, the precision's `compute_dtype`: FSDP gathers the parameters in it for each forward |
 /// | `process_dataloader(loader, Stage) -> loader` | shards, wraps or returns the loader as it is |
 /// | `module_state(const torch::nn::Module&, bool on_device) -> c10::Dict<std::string, at::Tensor>` | collective: the module's whole state (parameters and buffers by dotted name) for rank zero's checkpoint, empty on the other ranks; throws a `CheckpointError` where one file cannot hold the model (ManualParallel on several ranks); `on_device`: the tensors left where they are |

@@ -42,7 +42,9 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -378,7 +380,8 @@ void ModelParallel<L, B>::apply_plan(torch::nn::Module& module, const ModelPlan&
     if (sharded_.count(p.unsafeGetTensorImpl()) == 0) rest.push_back(p);
   }
   if (!rest.empty()) {
-    replicas_ = std::unique_ptr<ReplicaPart>(new ReplicaPart{View(*this, this->backend(), std::move(rest), nullptr), {}});
+    View view(*this, this->backend(), std::move(rest), nullptr);
+    replicas_ = std::unique_ptr<ReplicaPart>(new ReplicaPart{std::move(view), {}});
   }
   plan_ = plan;
   planned_module_ = &module;

@@ -1994,6 +1994,21 @@ struct SaveBothForms {
   }
 };
 
+/// What the world-size-1 scenarios share: whether a GPU scenario has no device here (said; the test is then skipped),
+/// the options both of their runs take (Adam's windows of 3 micro-batches, clipping), and the loader of 96 samples.
+template <class Accelerator>
+bool no_device_for() {
+  if (!std::is_same_v<Accelerator, volt::GPU> || volt::GPU::is_available()) return false;
+  std::cout << "no CUDA device visible: skipped" << std::endl;
+  return true;
+}
+volt::TrainerOptions world_one_options() {
+  return {.devices = 1, .max_epochs = 2, .accumulate_grad_batches = 3, .gradient_clip_val = 0.05};
+}
+volt::data::TensorLoader world_one_loader(const torch::Tensor& x, const torch::Tensor& y) {
+  return volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed});
+}
+
 /// FSDP at world size 1 against SingleDevice: FsdpNet's five units under Bf16Mixed (gathered in bfloat16, their
 /// storage freed between steps), with accumulation over 3, clipping and activation checkpointing, the same options on
 /// both; a checkpoint of the pieces in the sharded form holds the full file's weights and Adam state. On the GPU over
@@ -2001,15 +2016,11 @@ struct SaveBothForms {
 template <class Backend, class Accelerator>
 int fsdp_world_one_scenario() {
   constexpr bool gpu = std::is_same_v<Accelerator, volt::GPU>;
-  if (gpu && !volt::GPU::is_available()) {
-    std::cout << "no CUDA device visible: skipped" << std::endl;
-    return 77;
-  }
+  if (no_device_for<Accelerator>()) return 77;
   const std::string what = std::string("FSDP<Script, ") + Backend::name + "> on the " + (gpu ? "GPU" : "CPU");
-  const volt::TrainerOptions options{.devices = 1, .max_epochs = 2, .accumulate_grad_batches = 3,
-                                     .gradient_clip_val = 0.05};
+  const volt::TrainerOptions options = world_one_options();
   auto [x, y] = data(96);
-  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}); };
+  auto loader = [&] { return world_one_loader(x, y); };
   const auto dir = std::filesystem::temp_directory_path() / ("volt_fsdp_world_one_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
@@ -2059,15 +2070,11 @@ int gpu_fsdp_scenario() {
 template <class Backend, class Accelerator>
 int model_parallel_world_one_scenario() {
   constexpr bool gpu = std::is_same_v<Accelerator, volt::GPU>;
-  if (gpu && !volt::GPU::is_available()) {
-    std::cout << "no CUDA device visible: skipped" << std::endl;
-    return 77;
-  }
+  if (no_device_for<Accelerator>()) return 77;
   const std::string what = std::string("ModelParallel<Script, ") + Backend::name + "> on the " + (gpu ? "GPU" : "CPU");
-  const volt::TrainerOptions options{.devices = 1, .max_epochs = 2, .accumulate_grad_batches = 3,
-                                     .gradient_clip_val = 0.05};
+  const volt::TrainerOptions options = world_one_options();
   auto [x, y] = data(96);
-  auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}); };
+  auto loader = [&] { return world_one_loader(x, y); };
   PlannedNetImpl net;
   net.kind = "hsdp";
   FsdpNetImpl ref, untrained;

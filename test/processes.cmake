@@ -208,4 +208,5 @@ volt_torch_python_test(weights.safetensors_python
 # ranks.
 volt_distributed_test(dist.model_parallel.mpirun4_hsdp ${mpirun4} ${dist} model-parallel 4 hsdp)
 volt_distributed_test(dist.model_parallel.world_one ${dist} model-parallel-world-one)
+volt_distributed_test(dist.model_parallel.weigh_loss_refused ${dist} expect-failure 60 "under ModelParallel, which reduce-scatters each micro-batch" -- ${volt_mpirun} ${dist} model-parallel-weigh-loss)
 volt_distributed_test(dist.model_parallel.mpirun3_two_parts ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} model-parallel 3 two-parts)

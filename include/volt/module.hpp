@@ -19,7 +19,7 @@
 /// | hook | arguments (before the optional Context&) |
 /// |---|---|
 /// | `setup`, `teardown` | `Stage` |
-/// | `configure_model` | `volt::ModelPlan&` | at each run's start, after the strategy placed the module: which parts `ModelParallel` shards along which mesh axis, and which it replicates (volt/model_plan.hpp); the other strategies read nothing of it |
+/// | `configure_model` | `volt::ModelPlan&` | at each run's start, after the strategy placed the module and before `setup` (Lightning calls it after `setup`): which parts `ModelParallel` shards along which mesh axis, and which it replicates (volt/model_plan.hpp); the other strategies read nothing of it |
 /// | `on_optimizers_configured` | | in fit, after `configure_optimizers`, before a checkpoint's state is loaded |
 /// | `on_fit_start/end`, `on_train_start/end`, `on_validation_start/end`, `on_test_start/end`, `on_predict_start/end` | none |
 /// | `on_train_epoch_start/end`, `on_validation_epoch_start/end`, `on_test_epoch_start/end`, `on_predict_epoch_start/end` | none |

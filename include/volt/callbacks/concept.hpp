@@ -9,7 +9,7 @@
 /// | hook | extra arguments | when |
 /// |---|---|---|
 /// | `setup`, `teardown` | `Stage` | start / end of fit, validate, test, predict |
-/// | `configure_model` | `volt::ModelPlan&` | at each run's start, after the module's placement and before its own `configure_model`: a callback may plan parts too (volt/model_plan.hpp) |
+/// | `configure_model` | `volt::ModelPlan&` | at each run's start, after the module's placement and before `setup` and the module's own `configure_model`: a callback may plan parts too (volt/model_plan.hpp) |
 /// | `on_optimizers_configured` | | in fit, after `configure_optimizers` and before the strategy takes the optimizers (ZeRO shards them) and a checkpoint's state is loaded into them: a callback may add parameter groups (BackboneFinetuning) |
 /// | `on_fit_start`, `on_fit_end` | | around fit |
 /// | `on_sanity_check_start`, `on_sanity_check_end` | | around the sanity validation run |

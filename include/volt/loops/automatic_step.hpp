@@ -114,15 +114,17 @@ class AutomaticStep {
     return loss * (units * world / all).to(loss.scalar_type());
   }
 
-  /// A weighted window rescales its earlier micro-batches' gradients at its last, which FSDP has reduce-scattered by
-  /// then where it syncs every micro-batch.
+  /// A weighted window rescales its earlier micro-batches' gradients at its last, which a sharded layout (FSDP, a
+  /// ModelParallel part sharded) has reduce-scattered by then where it syncs every micro-batch.
   void refuse_sharded_window() {
     using S = std::remove_reference_t<decltype(p_.strategy)>;
-    if constexpr (requires { S::layout_type::stage; }) {
-      if (S::layout_type::stage == 3 && p_.strategy.sync_every_micro_batch()) {
-        throw ConfigError("volt: weigh_loss with accumulate_grad_batches > 1 under FSDP, which reduce-scatters each "
-                          "micro-batch's gradients as it ends, before the window's units are all known; call "
-                          "trainer.strategy().set_sync_every_micro_batch(false) to accumulate them locally, as DDP.");
+    if constexpr (requires { p_.strategy.scatters_each_micro_batch(); }) {
+      if (p_.strategy.scatters_each_micro_batch()) {
+        throw ConfigError(std::string("volt: weigh_loss with accumulate_grad_batches > 1 under ") + S::name +
+                          ", which reduce-scatters each micro-batch's sharded gradients as it ends, before the "
+                          "window's units are all known; under FSDP call trainer.strategy()."
+                          "set_sync_every_micro_batch(false) to accumulate them locally, as DDP (ModelParallel's "
+                          "sharded parts cannot yet: replicate them, or weigh without accumulation).");
       }
     }
   }

@@ -25,8 +25,8 @@
 
 // Every hook, in the order a fit meets them.
 #define VOLT_DETAIL_HOOKS(X)                                                                                         \
-  X(setup)                                                                                                           \
   X(configure_model)                                                                                                 \
+  X(setup)                                                                                                           \
   X(on_optimizers_configured)                                                                                        \
   X(on_fit_start)                                                                                                    \
   X(on_sanity_check_start)                                                                                           \

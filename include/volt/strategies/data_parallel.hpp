@@ -157,6 +157,8 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   /// accumulation). FSDP2's `set_requires_gradient_sync`. Takes effect at the next fit.
   void set_sync_every_micro_batch(bool every) { sync_every_micro_batch_ = every; }
   bool sync_every_micro_batch() const { return sync_every_micro_batch_; }
+  /// Whether each micro-batch's gradients are reduce-scattered as it ends (FSDP syncing every micro-batch).
+  bool scatters_each_micro_batch() const { return Layout::stage == 3 && sync_every_micro_batch_; }
   /// FSDP: the dtype the units' parameters are gathered in for each forward (none: as stored); the Trainer sets the
   /// precision's `compute_dtype` (Bf16Mixed: bfloat16). Takes effect at the next fit.
   void set_compute_dtype(std::optional<torch::Dtype> dtype) { compute_dtype_ = dtype; }

@@ -25,7 +25,7 @@
 /// parameters. Clipping by norm takes the norm over every part (each sharded part's pieces summed along its axis);
 /// a loss-scaled step's inf check is agreed by every rank. Checkpoints: the full form (one file from rank zero, each
 /// sharded part gathered along its axis), which resumes under any strategy; with more than one sharded part the
-/// optimizer's state cannot be written yet (refused, with nothing written).
+/// optimizer's state can be neither written nor read yet (refused, with nothing written or loaded).
 
 #include "volt/comm/mesh.hpp"
 #include "volt/errors.hpp"
@@ -206,6 +206,8 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
   /// The dtype sharded units are gathered in for each forward (the Trainer sets the precision's).
   void set_compute_dtype(std::optional<torch::Dtype> dtype) { compute_dtype_ = dtype; }
   std::optional<torch::Dtype> compute_dtype() const { return compute_dtype_; }
+  /// Whether each micro-batch's gradients are reduce-scattered as it ends: where a part is sharded.
+  bool scatters_each_micro_batch() const { return !shards_.empty(); }
 
   /// The world's backend, then the mesh and a backend on each of its axes (kept across runs on the same processes).
   void setup_environment(torch::Device device) {
@@ -289,12 +291,12 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
   void load_module_state(torch::nn::Module& module, const checkpoint::Dict& state);
   at::Tensor optimizer_state(torch::optim::Optimizer& optimizer) {
     if (shards_.empty()) return Base::optimizer_state(optimizer);
-    refuse_several("its state");
+    refuse_several(/*saving=*/true);
     return shards_.front()->holder.optimizer_state(shards_.front()->view, optimizer);
   }
   void load_optimizer_state(torch::optim::Optimizer& optimizer, const at::Tensor& bytes, const std::string& path) {
     if (shards_.empty()) return checkpoint::load_optimizer_state(optimizer, bytes, path);
-    refuse_several("a state");
+    refuse_several(/*saving=*/false);
     shards_.front()->holder.load_optimizer_state(shards_.front()->view, optimizer, bytes, path);
   }
   /// Collective: parameter `j`'s gradients of a running accumulation window where a sharded part reduce-scattered them
@@ -323,12 +325,13 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
     throw std::logic_error("volt: a mesh axis without a backend.");
   }
   std::string path_of(const torch::nn::Module& module, const torch::nn::Module& part) const;
-  void refuse_several(const char* what) const {
+  void refuse_several(bool saving) const {
     if (shards_.size() <= 1) return;
-    throw CheckpointError(std::string("volt: ModelParallel writes and reads the optimizer's state of one sharded part, "
-                                      "and this module plans ") + std::to_string(shards_.size()) + " of them, so " +
-                          what + " cannot be saved or loaded; nothing was written or loaded. Plan one sharded part, "
-                          "or save the weights only (save_weights_only).");
+    throw CheckpointError(std::string("volt: ModelParallel ") + (saving ? "writes" : "reads") + " the optimizer's "
+                          "state of one sharded part, and this module plans " + std::to_string(shards_.size()) +
+                          " of them; " + (saving ? "nothing was written. Plan one sharded part, or save the weights "
+                                                   "only (save_weights_only)."
+                                                 : "nothing was loaded. Plan one sharded part to resume it."));
   }
 
   std::vector<Mesh::Dim> dims_{{"data", -1}};
@@ -337,6 +340,7 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
   std::vector<std::unique_ptr<B>> axes_;  // a backend on each of the mesh's axes
   ModelPlan plan_;
   const torch::nn::Module* planned_module_ = nullptr;
+  std::vector<const void*> planned_params_;  // its parameters then (a module at the same address is not the same)
   std::vector<std::unique_ptr<ShardPart>> shards_;
   std::unique_ptr<ReplicaPart> replicas_;
   std::unordered_set<const void*> sharded_;  // the sharded parts' parameters
@@ -349,7 +353,12 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
 /// Each planned part checked (on the mesh, inside the module, no parameter in two) and given its holder.
 template <class L, class B>
 void ModelParallel<L, B>::apply_plan(torch::nn::Module& module, const ModelPlan& plan) {
-  if (planned_module_ == &module && plan == plan_ && (replicas_ || !shards_.empty())) return;
+  std::vector<const void*> params;
+  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) params.push_back(p.unsafeGetTensorImpl());
+  if (planned_module_ == &module && plan == plan_ && params == planned_params_ && (replicas_ || !shards_.empty())) {
+    return;
+  }
+  planned_module_ = nullptr;  // until the parts are all made
   router_.uninstall();
   shards_.clear();
   replicas_.reset();
@@ -366,6 +375,12 @@ void ModelParallel<L, B>::apply_plan(torch::nn::Module& module, const ModelPlan&
       }
     }
     if (part.axis.empty()) continue;
+    const auto named = [&](const MeshAxis& a) { return part.axis == a.name(); };
+    if (std::none_of(mesh_->axes().begin(), mesh_->axes().end(), named)) {
+      throw ConfigError("volt: configure_model shards \"" + where + "\" along the axis \"" + part.axis + "\", which "
+                        "the mesh (" + mesh_->shape() + ") does not have; name one of its axes, or give the mesh that "
+                        "axis with trainer.strategy().set_mesh.");
+    }
     B& along = axis_backend(part.axis);
     B* across = nullptr;
     for (std::size_t k = 0; k < axes_.size(); ++k) {
@@ -384,6 +399,7 @@ void ModelParallel<L, B>::apply_plan(torch::nn::Module& module, const ModelPlan&
     replicas_ = std::unique_ptr<ReplicaPart>(new ReplicaPart{std::move(view), {}});
   }
   plan_ = plan;
+  planned_params_ = std::move(params);
   planned_module_ = &module;
 }
 

@@ -3,7 +3,7 @@
 #  - volt (`ddp two-rank --nodes 2` under srun --mpi=pmix) against torch DDP over gloo (ddp_vs_torch.py, one process
 #    started on each host), interleaved rounds: steps per second and their ratio (> 1: volt is faster);
 #  - volt::Mpi's all-reduce, reduce-scatter and all-gather against Open MPI's own blocking ones of the same bytes on
-#    the same hosts (`ddp collectives`): bus bandwidth and ratio, for 4 MiB and 64 MiB.
+#    the same hosts (`ddp collectives`), at 2 and 4 ranks: bus bandwidth and ratio, for 4 MiB and 64 MiB.
 # The link is a kernel bridge, not a wire: only the ratios mean anything. Prints each run's JSON line and a summary.
 #   bash bench/ddp_cluster.sh CLUSTER_DIR BUILD_DIR [ROUNDS] [STEPS]     (the cluster up: test/cluster/up.sh DIR)
 set -euo pipefail
@@ -35,8 +35,16 @@ for ((r = 1; r <= rounds; r++)); do
   grep torch_ddp_gloo "$lines.torch" | tee -a "$lines" || true
 done
 rm -f "$lines.torch"
-for mb in 4 64; do
-  bash "$launch" "$cluster" srun 2 2 -- "$build/bench/ddp" collectives --rounds 7 --mb "$mb" | grep ddp_collective_vs_mpi
+# 2 ranks (one a host) and 4 (two a host). Where the ranks outnumber the cores, Open MPI must be told to yield while
+# it polls (mpirun does so by itself when it sees the oversubscription; under srun it cannot): otherwise the spinning
+# ranks starve the threads that would move the bytes, volt's collective thread and Open MPI's own alike.
+for ranks in 2 4; do
+  yield=0
+  [ "$ranks" -gt "$(nproc)" ] && yield=1
+  for mb in 4 64; do
+    OMPI_MCA_mpi_yield_when_idle=$yield bash "$launch" "$cluster" srun 2 "$ranks" -- "$build/bench/ddp" collectives \
+      --rounds 7 --mb "$mb" | grep ddp_collective_vs_mpi
+  done
 done
 /usr/bin/python3 - "$lines" <<'PY'
 import json, statistics, sys

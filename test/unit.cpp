@@ -450,6 +450,55 @@ TEST_CASE("ZeRO stage 2's reducer: at most two buckets alive during backward, ea
   CHECK(reducer.gradient_bytes() == block_bytes);
 }
 
+TEST_CASE("FSDP's gradient buckets take their memory from the pool units are gathered into, and give it back",
+          "[unit][dist]") {
+  torch::manual_seed(4);
+  std::vector<torch::Tensor> params, copies;
+  for (int i = 0; i < 3; ++i) {
+    params.push_back(torch::randn({250}).requires_grad_(true));
+    copies.push_back(params.back().detach().clone().requires_grad_(true));
+  }
+  const torch::Tensor x = torch::randn({250});
+  auto loss_of = [&](const std::vector<torch::Tensor>& ps) {
+    torch::Tensor h = x;
+    for (const auto& p : ps) h = torch::tanh(h * p);
+    return h.sum();
+  };
+  loss_of(copies).backward();
+  // A block of 1500 bytes in the pool, which only the pool can give a 1000-byte bucket (at most twice the size).
+  volt::detail::BufferPool pool;
+  c10::Allocator* cpu = c10::GetAllocator(c10::DeviceType::CPU);
+  std::size_t capacity = 0;
+  at::DataPtr seeded = pool.take(cpu, 1500, capacity);
+  const void* seeded_memory = seeded.get();
+  pool.give(std::move(seeded), capacity);
+  volt::Mpi world_of_one;
+  volt::detail::Reducer<volt::Mpi> reducer(params, world_of_one, 1, {{2}, {1}, {0}},
+                                            volt::detail::GradSync::reduce_scatter_to_blocks);
+  reducer.use_pool(pool);
+  std::vector<std::size_t> bucket_bytes;
+  for (auto& p : params) {
+    p.register_hook([&](const torch::Tensor&) {
+      for (const auto& b : reducer.buckets()) {
+        if (b.flat.defined()) bucket_bytes.push_back(b.flat.storage().nbytes());
+      }
+    });
+  }
+  reducer.prepare(/*sync=*/true);
+  loss_of(params).backward();
+  reducer.finish();
+  REQUIRE(!bucket_bytes.empty());
+  CHECK(bucket_bytes.front() == 1500);  // the first bucket was the pool's block
+  for (std::size_t i = 0; i < 3; ++i) {
+    CHECK(!reducer.buckets()[i].flat.defined());
+    CHECK(torch::allclose(reducer.blocks()[i], copies[2 - i].grad()));
+  }
+  // The block went back once its bucket was done (the other buckets' 1000-byte blocks too, too small for 1200).
+  at::DataPtr back = pool.take(cpu, 1200, capacity);
+  CHECK(capacity == 1500);
+  CHECK(back.get() == seeded_memory);
+}
+
 TEST_CASE("FSDP's buffer pool: a freed unit's block comes back for the next unit that fits it",
           "[unit][dist]") {
   volt::detail::BufferPool pool(2);

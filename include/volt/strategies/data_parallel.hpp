@@ -84,10 +84,7 @@ class DataParallel : public detail::ProcessGroupStrategy<L, B> {
   /// Moves the module and makes every rank start from rank 0's parameters and buffers. The layout is not touched:
   /// DDP's reducer ended with the last fit (teardown), and ZeRO's layout stays until its next fit.
   void setup_module(torch::nn::Module& module) {
-    module.to(this->root_device());
-    torch::NoGradGuard no_grad;
-    for (auto& p : module.parameters()) this->backend().broadcast_(p, 0);
-    for (auto& b : module.buffers()) this->backend().broadcast_(b, 0);
+    this->replicate_from_rank_zero(module);
     params_ = module.parameters();
   }
 

@@ -31,6 +31,7 @@
 #include "volt/errors.hpp"
 #include "volt/model_plan.hpp"
 #include "volt/strategies/data_parallel.hpp"
+#include "volt/strategies/parts.hpp"
 #include "volt/strategies/replicated.hpp"
 #include "volt/strategies/sharded.hpp"
 #include "volt/units.hpp"
@@ -51,125 +52,6 @@
 #include <vector>
 
 namespace volt {
-
-namespace detail {
-
-/// One part of a `ModelParallel` as a layout's holder sees a strategy (strategies/replicated.hpp): the part's
-/// parameters, the backend of the axis it is sharded along (or the world's), its rank and size there, and (HSDP) the
-/// backend of the axis it is replicated along.
-template <class S, class B>
-class PartView {
- public:
-  PartView(S& strategy, B& backend, std::vector<at::Tensor> params, B* replicas)
-      : s_(&strategy), backend_(&backend), params_(std::move(params)), replicas_(replicas) {}
-  B& backend() const { return *backend_; }
-  int world_size() const { return backend_->size(); }
-  int global_rank() const { return backend_->rank(); }
-  bool is_global_zero() const { return s_->is_global_zero(); }
-  torch::Device root_device() const { return s_->root_device(); }
-  at::Tensor all_reduce(const at::Tensor& t, Reduce op) const {
-    const bool fits = t.is_cpu() ? backend_traits<B>::supports_cpu : backend_traits<B>::supports_cuda;
-    at::Tensor r = (fits ? t : t.to(root_device())).detach().clone();
-    backend_->all_reduce_(r, op);
-    return r.to(t.device());
-  }
-  const std::vector<at::Tensor>& module_parameters() const { return params_; }
-  std::pair<std::size_t, std::size_t> bucket_bytes() const { return {kFirstBucketBytes, kBucketBytes}; }
-  bool reshard_after_forward() const { return s_->reshard_after_forward(); }
-  std::optional<torch::Dtype> compute_dtype() const { return s_->compute_dtype(); }
-  bool sync_every_micro_batch() const { return true; }
-  B* replicas() const { return replicas_; }
-
- private:
-  S* s_;
-  B* backend_;
-  std::vector<at::Tensor> params_;
-  B* replicas_;
-};
-
-/// Routes each unit a model runs (volt/units.hpp) to the sharded part that holds its parameters; a unit of no sharded
-/// part runs as a plain call. Installed for the time the parts hold their units sharded.
-class PartRouter final : public UnitRuntime {
- public:
-  PartRouter() = default;
-  PartRouter(const PartRouter&) = delete;
-  PartRouter& operator=(const PartRouter&) = delete;
-  ~PartRouter() override { uninstall(); }
-
-  /// `runtimes[k]` runs the units of the parameters in `params[k]`.
-  void install(const std::vector<std::vector<at::Tensor>>& params, const std::vector<UnitRuntime*>& runtimes) {
-    part_of_.clear();
-    owner_.clear();
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      for (const at::Tensor& p : params[k]) part_of_[p.unsafeGetTensorImpl()] = runtimes[k];
-    }
-    open_.clear();
-    unit_runtime() = this;
-  }
-  void uninstall() {
-    if (unit_runtime() == this) unit_runtime() = nullptr;
-  }
-  /// A forward starts: no unit is open.
-  void reset() { open_.clear(); }
-
-  int64_t enter(const torch::nn::Module& unit) override {
-    UnitRuntime* runtime = owner(unit);
-    const int64_t token = runtime != nullptr ? runtime->enter(unit) : -1;
-    open_.push_back(runtime);
-    return token;
-  }
-  void leave(int64_t token, std::vector<at::Tensor>& outputs) override {
-    UnitRuntime* runtime = open_.back();
-    open_.pop_back();
-    if (runtime != nullptr) runtime->leave(token, outputs);
-  }
-
- private:
-  UnitRuntime* owner(const torch::nn::Module& unit) {
-    if (const auto it = owner_.find(&unit); it != owner_.end()) return it->second;
-    UnitRuntime* found = nullptr;
-    bool first = true;
-    for (const at::Tensor& p : unit.parameters(/*recurse=*/true)) {
-      const auto it = part_of_.find(p.unsafeGetTensorImpl());
-      UnitRuntime* runtime = it == part_of_.end() ? nullptr : it->second;
-      if (!first && runtime != found) {
-        throw ConfigError("volt: a " + unit.name() + " ran as a unit holding parameters of two parts (or of a sharded "
-                          "part and of none); under ModelParallel a unit lies inside one sharded part.");
-      }
-      found = runtime;
-      first = false;
-    }
-    owner_.emplace(&unit, found);
-    return found;
-  }
-
-  std::unordered_map<const void*, UnitRuntime*> part_of_;
-  std::unordered_map<const torch::nn::Module*, UnitRuntime*> owner_;
-  std::vector<UnitRuntime*> open_;
-};
-
-/// ModelParallel's total gradient norm (detail::clip_gradients' `Total`): the per-tensor norms come in groups, each
-/// group's squares summed in float32 along its part's axis (null: kept as they are), then every group's added.
-template <class B>
-struct PartNorms {
-  static constexpr bool coefficient_in_grad_dtype = true;
-  std::vector<std::pair<std::size_t, B*>> groups;  // how many norms, and the backend summing them
-  torch::Device device;
-  at::Tensor operator()(const std::vector<at::Tensor>& norms) const {
-    const auto options = torch::TensorOptions().dtype(torch::kFloat32).device(device);
-    at::Tensor total = torch::zeros({1}, options);
-    std::size_t at = 0;
-    for (const auto& [count, backend] : groups) {
-      at::Tensor squares = torch::zeros({1}, options);
-      for (std::size_t i = 0; i < count; ++i) squares += norms[at++].to(torch::kFloat32).square().to(device);
-      if (backend != nullptr) backend->all_reduce_(squares, Reduce::sum);
-      total += squares;
-    }
-    return total.sqrt();
-  }
-};
-
-}  // namespace detail
 
 template <class L = Script, class B = AutoBackend>
 class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
@@ -230,12 +112,7 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
   }
 
   /// As DDP: the module moved, every rank starting from rank 0's parameters and buffers.
-  void setup_module(torch::nn::Module& module) {
-    module.to(this->root_device());
-    torch::NoGradGuard no_grad;
-    for (auto& p : module.parameters()) this->backend().broadcast_(p, 0);
-    for (auto& b : module.buffers()) this->backend().broadcast_(b, 0);
-  }
+  void setup_module(torch::nn::Module& module) { this->replicate_from_rank_zero(module); }
   /// The parts of `module` as `plan` (its configure_model's) names them; kept while the plan and the module are the
   /// same, so that a run after a fit sees the layout the fit left.
   void apply_plan(torch::nn::Module& module, const ModelPlan& plan);

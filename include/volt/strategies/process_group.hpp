@@ -126,6 +126,14 @@ class ProcessGroupStrategy : public StrategyDefaults {
     return procs_.group->all_gather_bytes(bytes);
   }
 
+  /// The module on this rank's device with rank zero's parameters and buffers, as a data-parallel fit starts.
+  void replicate_from_rank_zero(torch::nn::Module& module) {
+    module.to(root_device());
+    torch::NoGradGuard no_grad;
+    for (auto& p : module.parameters()) backend().broadcast_(p, 0);
+    for (auto& b : module.buffers()) backend().broadcast_(b, 0);
+  }
+
   /// Every rank holds the whole module: rank zero's state is the checkpoint's; the other ranks make none.
   c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device) {
     return is_global_zero() ? checkpoint::module_state(module, on_device) : c10::Dict<std::string, at::Tensor>();

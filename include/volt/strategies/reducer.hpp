@@ -35,6 +35,7 @@
 #include "volt/errors.hpp"
 #include "volt/reduce.hpp"
 #include "volt/stage.hpp"
+#include "volt/strategies/buffer_pool.hpp"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -115,6 +116,9 @@ class Reducer {
   }
   /// Calls `f(bucket)` once a synchronised backward's bucket has every gradient it waits for (its collective started).
   void on_bucket_ready(std::function<void(std::size_t)> f) { on_ready_ = std::move(f); }
+  /// To blocks: each bucket's buffer taken from `pool` (which must outlive the reducer) and given back once its block
+  /// is copied out.
+  void use_pool(BufferPool& pool) { pool_ = &pool; }
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
   ~Reducer() {
@@ -307,8 +311,12 @@ class Reducer {
     }
   }
   torch::Tensor& buffer_of(Bucket& b) {
-    if (!b.flat.defined()) b.flat = torch::zeros({b.numel}, b.options);
-    return b.flat;
+    if (b.flat.defined()) return b.flat;
+    if (pool_ == nullptr) return b.flat = torch::zeros({b.numel}, b.options);
+    b.flat = torch::empty({0}, b.options);
+    pool_->fill(*b.flat.storage().unsafeGetStorageImpl(), static_cast<std::size_t>(b.numel) * b.flat.element_size());
+    b.flat.set_(b.flat.storage(), 0, {b.numel}, {1});
+    return b.flat.zero_();
   }
   /// Waits for bucket `i`'s collective; to blocks: copies this rank's block out and frees the bucket.
   void complete(std::size_t i) {
@@ -317,6 +325,7 @@ class Reducer {
     if (sync_ != GradSync::reduce_scatter_to_blocks) return;
     const torch::Tensor mine = block_of(b.flat, backend_->rank(), world_size_);
     add_to_blocks_ ? blocks_[i].add_(mine) : blocks_[i].copy_(mine);
+    if (pool_ != nullptr) pool_->release(*b.flat.storage().unsafeGetStorageImpl());
     b.flat = torch::Tensor();
   }
 
@@ -385,6 +394,7 @@ class Reducer {
   GradSync sync_;
   std::vector<std::vector<std::size_t>> groups_;  // the buckets, where given
   std::function<void(std::size_t)> on_ready_;
+  BufferPool* pool_ = nullptr;  // to blocks: where the buckets' buffers come from, if given
   std::vector<Bucket> buckets_;
   std::vector<torch::Tensor> blocks_;    // to blocks: this rank's block of each bucket
   std::vector<std::size_t> in_flight_;  // buckets started and not yet completed, oldest first

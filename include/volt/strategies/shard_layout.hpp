@@ -55,15 +55,16 @@ struct ShardPiece {
 /// The module's parameters laid out in the reducer's buckets, and this rank's pieces of them.
 class ShardLayout {
  public:
-  /// Copies every bucket's parameters into one flat buffer and makes each parameter a view into it. `apart` (stage 3):
-  /// this rank's block of each bucket is copied into a shard of its own, which the pieces share, and the bucket holds no
-  /// storage until it is gathered (`fill`, `free`): laying out never holds the parameters twice. The bucket (and so the
-  /// parameters) may then be of another dtype than the shards (`gathered`: the dtype the forward computes in), filled
-  /// by casting them.
+  /// Copies every bucket's parameters into one flat buffer and makes each parameter a view into it. With a `pool`
+  /// (stage 3; it must outlive the layout): this rank's block of each bucket is copied into a shard of its own, which
+  /// the pieces share, and the bucket holds no storage until it is gathered (`fill`, with memory from the pool; `free`
+  /// gives it back): laying out never holds the parameters twice. The bucket (and so the parameters) may then be of
+  /// another dtype than the shards (`gathered`: the dtype the forward computes in), filled by casting them.
   template <class Bucket>
   ShardLayout(const std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params, int rank, int world,
-              bool apart = false, std::optional<torch::Dtype> gathered = std::nullopt)
-      : rank_(rank), world_(world), locations_(params.size()) {
+              BufferPool* pool = nullptr, std::optional<torch::Dtype> gathered = std::nullopt)
+      : rank_(rank), world_(world), locations_(params.size()), pool_(pool) {
+    const bool apart = pool != nullptr;
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < buckets.size(); ++i) {
       const Bucket& b = buckets[i];
@@ -99,7 +100,6 @@ class ShardLayout {
       if (apart) resize_storage(flat, 0);  // (its memory never touched) gathered where used: fill
       flats_.push_back(std::move(flat));
     }
-    capacity_.assign(flats_.size(), 0);
   }
 
   const std::vector<ShardPiece>& pieces() const { return pieces_; }
@@ -127,27 +127,17 @@ class ShardLayout {
       }
     }
   }
-  /// Stage 3 (`apart`): this rank's block of every bucket, which the pieces share.
+  /// Stage 3: this rank's block of every bucket, which the pieces share.
   const std::vector<at::Tensor>& shards() const { return shards_; }
   /// Stage 3: whether bucket `bucket` holds its storage (gathered, or being gathered).
   bool holds(std::size_t bucket) const { return flats_[bucket].storage().nbytes() > 0; }
   /// Stage 3: bucket `bucket`'s storage freed; the parameters and autograd's saved views of them keep pointing at it.
-  void free(std::size_t bucket) {
-    c10::StorageImpl* storage = flats_[bucket].storage().unsafeGetStorageImpl();
-    if (storage->nbytes() == 0) return;
-    pool_.give(storage->set_data_ptr(at::DataPtr(nullptr, flats_[bucket].device())), capacity_[bucket]);
-    storage->set_nbytes(0);
-  }
+  void free(std::size_t bucket) { pool_->release(*flats_[bucket].storage().unsafeGetStorageImpl()); }
   /// Stage 3: bucket `bucket`'s storage made again and this rank's shard put in its block, cast to the bucket's dtype
   /// (an in-place all-gather of the bucket then fills the rest).
   void fill(std::size_t bucket) {
     const at::Tensor& flat = flats_[bucket];
-    c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
-    const auto nbytes = static_cast<std::size_t>(flat.numel()) * flat.element_size();
-    if (storage->nbytes() != nbytes) {
-      storage->set_data_ptr_noswap(pool_.take(storage->allocator(), nbytes, capacity_[bucket]));
-      storage->set_nbytes(nbytes);
-    }
+    pool_->fill(*flat.storage().unsafeGetStorageImpl(), static_cast<std::size_t>(flat.numel()) * flat.element_size());
     torch::NoGradGuard no_grad;
     block_of(flat, rank_, world_).copy_(shards_[bucket]);
   }
@@ -171,7 +161,7 @@ class ShardLayout {
     }
     flats_[bucket] = whole;
     if (bucket < shards_.size()) shards_[bucket] = at::Tensor();
-    pool_.clear();  // nothing is gathered again
+    if (pool_ != nullptr) pool_->clear();  // nothing is gathered again
   }
   /// Where parameter `param` lies: its bucket and offset, if it was laid out (it required gradients at the fit's start).
   struct Location {
@@ -196,8 +186,7 @@ class ShardLayout {
   std::vector<Location> locations_;
   std::vector<at::Tensor> flats_;
   std::vector<at::Tensor> shards_;  // stage 3
-  BufferPool pool_;                    // stage 3: the gathered buckets' memory, reused
-  std::vector<std::size_t> capacity_;  // stage 3: the bytes of each gathered bucket's block from the pool
+  BufferPool* pool_ = nullptr;      // stage 3: where the gathered buckets' memory comes from and goes back to
   std::vector<ShardPiece> pieces_;
   std::unordered_map<std::size_t, std::size_t> piece_index_;
 };

@@ -405,22 +405,31 @@ TEST_CASE("DDP at world size 1 (MPI singleton, real reducer) trains as SingleDev
   CHECK(volt::detail::MpiRuntime::instance().initialized());
 }
 
-TEST_CASE("ZeRO stage 2's reducer: at most two buckets alive during backward, each .grad dropped, blocks averaged",
-          "[unit][dist]") {
-  // A chain of six parameters, h = tanh(h * p_i): backward reaches p5 first and p0 last; one parameter per bucket.
-  torch::manual_seed(3);
+/// A chain of `n` parameters of 250 elements, h = tanh(h * p_i): backward reaches the last first and p0 last. `copies`
+/// hold the reference gradients (plain autograd) once made.
+struct TanhChain {
   std::vector<torch::Tensor> params, copies;
-  for (int i = 0; i < 6; ++i) {
-    params.push_back(torch::randn({250}).requires_grad_(true));
-    copies.push_back(params.back().detach().clone().requires_grad_(true));
+  torch::Tensor x;
+  TanhChain(int n, uint64_t seed) {
+    torch::manual_seed(seed);
+    for (int i = 0; i < n; ++i) {
+      params.push_back(torch::randn({250}).requires_grad_(true));
+      copies.push_back(params.back().detach().clone().requires_grad_(true));
+    }
+    x = torch::randn({250});
+    loss_of(copies).backward();
   }
-  const torch::Tensor x = torch::randn({250});
-  auto loss_of = [&](const std::vector<torch::Tensor>& ps) {
+  torch::Tensor loss_of(const std::vector<torch::Tensor>& ps) const {
     torch::Tensor h = x;
     for (const auto& p : ps) h = torch::tanh(h * p);
     return h.sum();
-  };
-  loss_of(copies).backward();  // the reference gradients, plain autograd
+  }
+};
+
+TEST_CASE("ZeRO stage 2's reducer: at most two buckets alive during backward, each .grad dropped, blocks averaged",
+          "[unit][dist]") {
+  TanhChain chain(6, 3);  // one parameter per bucket
+  auto& [params, copies, x] = chain;
   volt::Mpi world_of_one;
   volt::detail::Reducer<volt::Mpi> reducer(params, world_of_one, 1, 1000, 1000,
                                             volt::detail::GradSync::reduce_scatter_to_blocks);
@@ -435,7 +444,7 @@ TEST_CASE("ZeRO stage 2's reducer: at most two buckets alive during backward, ea
     });
   }
   reducer.prepare(/*sync=*/true);
-  loss_of(params).backward();
+  chain.loss_of(params).backward();
   reducer.finish();
   CHECK(most_alive == 2);  // volt::detail::kBucketsInFlight
   CHECK(grads_alive == 0);  // each .grad went into its bucket and was dropped before the next gradient arrived
@@ -452,19 +461,8 @@ TEST_CASE("ZeRO stage 2's reducer: at most two buckets alive during backward, ea
 
 TEST_CASE("FSDP's gradient buckets take their memory from the pool units are gathered into, and give it back",
           "[unit][dist]") {
-  torch::manual_seed(4);
-  std::vector<torch::Tensor> params, copies;
-  for (int i = 0; i < 3; ++i) {
-    params.push_back(torch::randn({250}).requires_grad_(true));
-    copies.push_back(params.back().detach().clone().requires_grad_(true));
-  }
-  const torch::Tensor x = torch::randn({250});
-  auto loss_of = [&](const std::vector<torch::Tensor>& ps) {
-    torch::Tensor h = x;
-    for (const auto& p : ps) h = torch::tanh(h * p);
-    return h.sum();
-  };
-  loss_of(copies).backward();
+  TanhChain chain(3, 4);
+  auto& [params, copies, x] = chain;
   // A block of 1500 bytes in the pool, which only the pool can give a 1000-byte bucket (at most twice the size).
   volt::detail::BufferPool pool;
   c10::Allocator* cpu = c10::GetAllocator(c10::DeviceType::CPU);
@@ -485,7 +483,7 @@ TEST_CASE("FSDP's gradient buckets take their memory from the pool units are gat
     });
   }
   reducer.prepare(/*sync=*/true);
-  loss_of(params).backward();
+  chain.loss_of(params).backward();
   reducer.finish();
   REQUIRE(!bucket_bytes.empty());
   CHECK(bucket_bytes.front() == 1500);  // the first bucket was the pool's block

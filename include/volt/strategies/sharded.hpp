@@ -406,7 +406,9 @@ class ShardedHolder {
   };
 
   std::vector<at::Tensor> params_;  // the module's, at the fit's start
-  BufferPool pool_;  // stage 3: the memory units are gathered into and their gradients reduce-scattered from
+  // stage 3: the memory units are gathered into and their gradients reduce-scattered from (on the heap: the reducer
+  // and the layout point at it, and a holder may move)
+  std::unique_ptr<BufferPool> pool_ = std::make_unique<BufferPool>();
   std::unique_ptr<Reducer<B>> reducer_;
   std::unique_ptr<ShardLayout> shards_;
   std::unordered_map<const torch::optim::Optimizer*, Lists> full_params_;
@@ -562,7 +564,7 @@ void ShardedHolder<Stage, B>::unit_reducer(G& g) {
   reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), std::move(groups),
                                           GradSync::reduce_scatter_to_blocks);
   reducer_->on_bucket_ready([units = units_.get()](std::size_t bucket) { units->bucket_done(bucket); });
-  reducer_->use_pool(pool_);
+  reducer_->use_pool(*pool_);
 }
 
 /// Stage 3, once the fit's first synchronised backward is over: the parameters are laid out in the reducer's buckets,
@@ -572,7 +574,7 @@ template <int Stage, class B>
 template <class G>
 void ShardedHolder<Stage, B>::lay_out(G& g, torch::optim::Optimizer& optimizer) {
   shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size(),
-                                          &pool_, compute_dtype_);
+                                          pool_.get(), compute_dtype_);
   with_state_codec(optimizer, [&](auto codec) {
     States cut = optimizer.state().empty() ? States() : cut_states<decltype(codec)>(optimizer, "the resumed state");
     drop_full_states(optimizer);

@@ -3,6 +3,7 @@
 # that later runs reuse, and prints that environment's python:
 #   tensorboard  reads TensorBoardLogger's event files back in the tests (it shares no code with volt)
 #   matplotlib   draws a run's curves from its metrics.csv (scripts/plot_metrics.py)
+#   pyyaml       reads the loggers' hparams.yaml back in the tests
 # The environment lives in $VOLT_TOOLS_VENV (default ~/.cache/volt/python-tools); about 60 MB to download.
 #   --debian-torch: instead, an environment over Debian's /usr/bin/python3 that sees its packages (python3-torch)
 #                   and has safetensors from PyPI, for the tests that read volt's files with Python's torch
@@ -21,8 +22,8 @@ if [ "${1:-}" = "--debian-torch" ]; then
 fi
 venv=${VOLT_TOOLS_VENV:-$HOME/.cache/volt/python-tools}
 volt_venv "$venv"
-if ! "$venv/bin/python" -c 'import tensorboard, matplotlib' 2>/dev/null; then
-  echo "volt: installing tensorboard and matplotlib into $venv" >&2
-  "$venv/bin/python" -m pip install --quiet --progress-bar off tensorboard matplotlib >&2
+if ! "$venv/bin/python" -c 'import tensorboard, matplotlib, yaml' 2>/dev/null; then
+  echo "volt: installing tensorboard, matplotlib and pyyaml into $venv" >&2
+  "$venv/bin/python" -m pip install --quiet --progress-bar off tensorboard matplotlib pyyaml >&2
 fi
 echo "$venv/bin/python"

@@ -91,6 +91,40 @@ TEST_CASE("LR schedulers step per epoch or per step; LearningRateMonitor and CSV
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("LearningRateMonitor names groups pg1, pg2 as Lightning, in one CSV row; CSVLogger writes as Python's csv",
+          "[callbacks]") {
+  const fs::path dir = vt::scratch("lr_groups");
+  struct TwoGroups : vt::RegressorImpl {
+    torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+      ctx.log("a,b \"quoted\"", 1.0 / 3.0);
+      return vt::RegressorImpl::training_step(b, ctx);
+    }
+    std::shared_ptr<torch::optim::SGD> configure_optimizers() {
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      groups.emplace_back(std::vector<torch::Tensor>{lin->weight}, std::make_unique<torch::optim::SGDOptions>(0.1));
+      groups.emplace_back(std::vector<torch::Tensor>{lin->bias}, std::make_unique<torch::optim::SGDOptions>(0.01));
+      return std::make_shared<torch::optim::SGD>(groups, torch::optim::SGDOptions(0.1));
+    }
+  } m;
+  auto [x, y] = vt::regression_data(16);
+  auto t = volt::make_trainer({.max_epochs = 2, .log_every_n_steps = 1, .default_root_dir = dir.string()},
+                              volt::LearningRateMonitor{}, volt::CSVLogger{});
+  t.fit(m, make_loader(x, y, 8));
+  std::ifstream f(t.callback<volt::CSVLogger>().metrics_file());
+  std::string header;
+  std::getline(f, header);
+  // Python's csv.writer quotes a field with a comma or a quote, doubling the quotes.
+  CHECK(header == "epoch,lr-SGD/pg1,lr-SGD/pg2,\"a,b \"\"quoted\"\"\",train_loss,step");
+  int lr_rows = 0, value_rows = 0;
+  for (std::string line; std::getline(f, line);) {
+    lr_rows += line.find(",0.1,0.01,,,") != std::string::npos;  // both groups' rates in one row
+    // Values as Python's repr writes them: the shortest text that reads back to the same double.
+    value_rows += line.find(",,,0.3333333333333333,") != std::string::npos;
+  }
+  CHECK(value_rows == 4);  // 2 steps an epoch, 2 epochs
+  CHECK(lr_rows == 2);  // one per epoch
+}
+
 TEST_CASE("ProgressBar draws step/total and metrics on rank zero", "[trainer][callbacks]") {
   std::ostringstream out;
   auto [x, y] = vt::regression_data(40);

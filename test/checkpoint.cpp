@@ -299,7 +299,7 @@ TEST_CASE("resuming checks the module, the loader and the optimizer before loadi
   auto wide_before = wide->lin->weight.clone();
   volt::Trainer<> t1({.max_epochs = 2});
   CHECK_THROWS_WITH(t1.fit(wide, volt::data::TensorLoader(x, y, {.batch_size = 8}), volt::NoLoader{}, path),
-                    Contains(path) && Contains("missing extra.bias extra.weight") && Contains("lin.weight (file [1, 4], module [2, 4])") &&
+                    Contains(path) && Contains("2 of the module's names missing (extra.bias, extra.weight)") && Contains("lin.weight (file [1, 4], module [2, 4])") &&
                         Contains("nothing was loaded"));
   CHECK(torch::equal(wide->lin->weight, wide_before));
 
@@ -882,7 +882,7 @@ TEST_CASE("load_weights: into part of a model, by prefix or skipping, strict or 
     }
     CHECK(torch::equal(fresh->head->weight, head));
     CHECK_THROWS_WITH(volt::load_weights(*fresh, (dir / "net.safetensors").string(), {.skip = {"head."}}),
-                      Contains("missing head.bias head.weight") && !Contains("not in the module"));
+                      Contains("2 of the module's names missing (head.bias, head.weight)") && !Contains("not in the module"));
   }
   SECTION("a sub-module takes its part through a rename; unexpected names are named") {
     TunedNet fresh(3);
@@ -893,10 +893,37 @@ TEST_CASE("load_weights: into part of a model, by prefix or skipping, strict or 
     CHECK(r.missing.empty());
     CHECK(torch::equal(fresh->backbone[0]->as<torch::nn::Linear>()->weight, trained->backbone[0]->as<torch::nn::Linear>()->weight));
     CHECK_THROWS_WITH(volt::load_weights(backbone, (dir / "net.safetensors").string(), {.rename = {{"backbone.", ""}}}),
-                      Contains("not in the module head.bias head.weight"));
+                      Contains("2 of the file's not in the module (head.bias, head.weight)"));
     CHECK_THROWS_WITH(volt::load_weights(backbone, (dir / "net.safetensors").string(),
                                          {.rename = {{"backbone.0.", ""}, {"head.", ""}}, .strict = false}),
                       Contains("gives two tensors the name bias"));
+  }
+  SECTION("names that do not match: one short line with the first few and the rename that would match them") {
+    struct Wrapped : torch::nn::Module {
+      TunedNet net{register_module("net", TunedNet(3))};
+    } wrapped;
+    const std::string file_path = (dir / "net.safetensors").string();
+    std::string strict_error, loose_error;
+    try {
+      volt::load_weights(wrapped, file_path);
+    } catch (const volt::CheckpointError& e) {
+      strict_error = e.what();
+    }
+    CHECK_THAT(strict_error, Contains("9 of the module's names missing (net.backbone.") &&
+                                 Contains("9 of the file's not in the module (backbone.") &&
+                                 EndsWith("Renaming \"\" to \"net.\" would match 9 of them: "
+                                          "LoadWeightsOptions{.rename = {{\"\", \"net.\"}}}."));
+    CHECK(strict_error.size() < 500);
+    CHECK(strict_error.find('\n') == std::string::npos);
+    // Not strict, but not one tensor has a place: refused too, where it used to load nothing and say nothing.
+    try {
+      volt::load_weights(wrapped, file_path, {.strict = false});
+    } catch (const volt::CheckpointError& e) {
+      loose_error = e.what();
+    }
+    CHECK_THAT(loose_error, Contains("Renaming \"\" to \"net.\"") && Contains("non-strict load refused too"));
+    const auto r = volt::load_weights(wrapped, file_path, {.rename = {{"", "net."}}});
+    CHECK(r.loaded.size() == 9);
   }
   SECTION("a file of doubles loads into a float model (converted), and a volt checkpoint's weights load alike") {
     volt::TensorFile doubles = volt::module_weights(*trained);
@@ -991,6 +1018,30 @@ TEST_CASE("ModelCheckpoint's safetensors beside each checkpoint: its weights, EM
       CHECK_FALSE(torch::allclose(lin->second, weights.at(step), 1e-4, 1e-5));  // not that step's weights
     }
   }
+}
+
+TEST_CASE("a weights file never stands beside a checkpoint of another step, whichever run wrote it", "[checkpoint]") {
+  auto [x, y] = vt::regression_data(32);
+  const fs::path dir = scratch("beside_resumed");
+  const std::string folder = (dir / "checkpoints").string();
+  {  // a run that writes weights files: step 4's top-1 and last
+    vt::Regressor m;
+    auto t = volt::make_trainer({.max_epochs = 1, .default_root_dir = dir.string()},
+                                volt::ModelCheckpoint({.save_last = true, .save_safetensors = true}));
+    t.fit(m, make_loader(x, y, 8));
+    REQUIRE(fs::exists(dir / "checkpoints" / "last.safetensors"));
+  }
+  // Resumed without them: last.ckpt moves on to step 12, and step 4's checkpoint leaves the top 1.
+  vt::Regressor m;
+  auto t = volt::make_trainer({.max_epochs = 3, .default_root_dir = dir.string()},
+                              volt::ModelCheckpoint({.save_last = true}));
+  t.fit(m, make_loader(x, y, 8), "last");
+  std::set<std::string> ckpts, beside;
+  for (const auto& e : fs::directory_iterator(dir / "checkpoints")) {
+    (e.path().extension() == ".ckpt" ? ckpts : beside).insert(e.path().filename().string());
+  }
+  CHECK(ckpts == std::set<std::string>{"epoch=2-step=12.ckpt", "last.ckpt"});
+  CHECK(beside.empty());  // before: last.safetensors of step 4 beside last.ckpt of step 12, and epoch=0-step=4's
 }
 
 TEST_CASE("safetensors files for Python to read", "[.safetensors_export]") {

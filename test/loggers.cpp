@@ -131,7 +131,12 @@ TEST_CASE("Loggers of one Trainer share a version folder; each new run takes the
     CHECK_FALSE(fs::exists(dir / "volt_logs" / "version_3"));
   }
   CHECK_THROWS_WITH(volt::TensorBoardLogger({.max_queue = 0}), Contains("max_queue=0") && Contains(">= 1"));
-  CHECK_THROWS_WITH(volt::TensorBoardLogger({.hparam_metrics = {"val_loss"}}), Contains("without hparams"));
+  {  // metric columns without hyper-parameters (neither the logger's nor the Trainer's): refused when the fit starts
+    vt::RegressorImpl m;
+    auto t = volt::make_trainer({.max_epochs = 1, .default_root_dir = (dir / "no_hparams").string()},
+                                volt::TensorBoardLogger({.hparam_metrics = {"val_loss"}}));
+    CHECK_THROWS_WITH(t.fit(m, loader), Contains("without hparams"));
+  }
 }
 
 namespace {
@@ -332,4 +337,62 @@ TEST_CASE("DeviceStatsMonitor records the process's memory and CPU time at each 
     CHECK(cpu == Approx(r.cpu_s[i]).margin(0.05));
     CHECK_FALSE(v.count("device_stats/allocated_bytes.all.current_mb"));  // no CUDA device here
   }
+}
+
+namespace {
+/// A regressor that declares hyper-parameters of its own, as a Lightning module's save_hyperparameters keeps its
+/// arguments.
+struct WithHyperParameters : vt::RegressorImpl {
+  volt::Json hyper_parameters() const { return volt::Json::parse(R"({"lr": 0.05, "hidden": [4, 1], "note": null})"); }
+};
+struct RunSection {
+  double lr = 0.05;
+  std::string name = "first run";
+  std::vector<int64_t> milestones{2, 3};
+};
+constexpr auto volt_fields(const RunSection*) {
+  return volt::fields({{"lr", "SGD's rate"}, {"name", "the run's name"}, {"milestones", "epochs where it drops"}});
+}
+}  // namespace
+
+// Run by the ctest `hparams.python` (test/processes.cmake), which then reads the checkpoints with Python's torch
+// (weights_only) and the loggers' files with PyYAML and tensorboard (test/hparams_check.py).
+TEST_CASE("a fit keeps its configuration and the module's hyper-parameters in checkpoints and beside the logs",
+          "[.hparams_export]") {
+  const auto dir = env_dir("VOLT_HPARAMS_DIR");
+  fs::remove_all(dir);
+  volt::TrainerOptions options{.max_epochs = 2, .log_every_n_steps = 1, .default_root_dir = dir.string()};
+  RunSection run;
+  volt::Config config("hparams");
+  config.add("trainer", options).add("run", run);
+  const char* argv[] = {"hparams", "--trainer.max_epochs=3", "--run.lr=0.125", "--run.milestones=1, 2",
+                        "--trainer.gradient_clip_val=1e-05", "--print_config"};
+  std::ostringstream printed;  // the configuration that runs, as --print_config prints it
+  REQUIRE_FALSE(config.parse(6, argv, printed));
+  std::ofstream(dir / "printed_config.json") << printed.str();
+  std::ofstream(dir / "module_hparams.json") << R"({"lr": 0.05, "hidden": [4, 1], "note": null})";
+
+  WithHyperParameters m;
+  auto [x, y] = vt::regression_data(32);
+  auto train = make_loader(x, y, 8), val = make_loader(x, y, 16);
+  auto t = volt::make_trainer(options, volt::ModelCheckpoint({.dirpath = (dir / "checkpoints").string(),
+                                                              .save_last = true}),
+                              volt::CSVLogger{}, volt::TensorBoardLogger{});
+  CHECK_THROWS_WITH(t.save_hyperparameters(volt::Json::array({1, 2})),
+                    "volt: save_hyperparameters takes a JSON object of names and values (Config::json()); got [1,2] "
+                    "(a list).");
+  t.save_hyperparameters(config.json());
+  t.fit(m, train, val);
+  t.save_checkpoint((dir / "checkpoints" / "weights_only.ckpt").string(), /*weights_only=*/true);
+  REQUIRE(fs::exists(t.callback<volt::CSVLogger>().log_dir() / "hparams.yaml"));
+
+  // A name both in the module's and in what save_hyperparameters was given: refused when the run starts.
+  struct Clashing : vt::RegressorImpl {
+    volt::Json hyper_parameters() const { return volt::Json::parse(R"({"run": 1})"); }
+  } clashing;
+  auto t2 = volt::make_trainer({.max_epochs = 1, .default_root_dir = (dir / "clash").string()});
+  t2.save_hyperparameters(config.json());
+  CHECK_THROWS_WITH(t2.fit(clashing, train),
+                    "volt: the hyper-parameter \"run\" is both in the module's hyper_parameters() and in what "
+                    "save_hyperparameters was given; rename one of them.");
 }

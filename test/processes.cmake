@@ -193,6 +193,19 @@ endfunction()
 volt_torch_python_test(resume.torch_load "'${resume_exe}' export '${resume_dir}/python'" torch_load_check.py
                        "'${resume_dir}/python'")
 set_tests_properties(resume.torch_load PROPERTIES LABELS resume)
+# Hyper-parameters (test/hparams_check.py): a fit's configuration and its module's own, read back from its checkpoints
+# by Python's torch (weights_only) and from its loggers' folder by PyYAML and tensorboard.
+if(VOLT_TOOLS_PYTHON)
+  set(volt_hparams_logs "&& '${VOLT_TOOLS_PYTHON}' '${CMAKE_CURRENT_SOURCE_DIR}/hparams_check.py' logs '${resume_dir}/hparams'")
+else()
+  set(volt_hparams_logs "&& echo 'no Python with tensorboard and PyYAML (scripts/install-python-tools.sh): the loggers' files were not read'")
+endif()
+volt_torch_python_test(hparams.python
+                       "VOLT_HPARAMS_DIR='${resume_dir}/hparams' '$<TARGET_FILE:volt_tests>' '[.hparams_export]'"
+                       hparams_check.py checkpoints "'${resume_dir}/hparams'" ${volt_hparams_logs})
+if(VOLT_TOOLS_PYTHON)
+  set_tests_properties(hparams.python PROPERTIES PASS_REGULAR_EXPRESSION "hparams ok: hparams.yaml")
+endif()
 # The transformer recipe (AdamW with two parameter groups, warm-up then cosine, stepped per optimizer step) trained by
 # volt and by PyTorch from the same weights and batches (test/recipe_check.py): the same rates and weights.
 volt_torch_python_test(optim.recipe_vs_torch

@@ -112,6 +112,19 @@ TEST_CASE("activation_checkpoint: several inputs and outputs, inputs without gra
   CHECK_FALSE(b->weight.grad().defined());
 }
 
+TEST_CASE("forward_blocks takes a block's TORCH_MODULE holder type as it takes its Impl", "[transformer]") {
+  torch::manual_seed(3);
+  const gpt::Config c = small_config();
+  torch::nn::ModuleList blocks;
+  for (int i = 0; i < 3; ++i) blocks->push_back(gpt::Block(c));
+  const auto x = torch::randn({2, c.context, c.width});
+  torch::Tensor expected = x;
+  for (const auto& b : *blocks) expected = b->as<gpt::BlockImpl>()->forward(expected);
+  CHECK(torch::equal(volt::forward_blocks<gpt::Block>(blocks, x, volt::ActivationCheckpointing{.every = 2}), expected));
+  CHECK(torch::equal(volt::forward_blocks<gpt::Block>(blocks, x, volt::Units{}), expected));
+  CHECK(torch::equal(volt::forward_blocks<gpt::BlockImpl>(blocks, x, volt::ActivationCheckpointing{}), expected));
+}
+
 TEST_CASE("activation_checkpoint: a plain call without gradients; refusals", "[transformer]") {
   torch::manual_seed(6);
   torch::nn::Linear lin(4, 4);

@@ -567,3 +567,252 @@ TEST_CASE("Spawn refuses to run inside a job started by mpirun", "[unit][dist]")
   }
   CHECK_FALSE(volt::Spawn::is_worker());
 }
+
+// ---- configuration from files and flags (volt/config.hpp) -------------------------------------------------------
+
+namespace {
+
+/// Two sets of TrainerOptions that together move every field away from its default (overfit_batches cannot stand
+/// beside batch limits or fast_dev_run, so it has a set of its own), each set in C++ and written by hand as a JSON
+/// file and as flags.
+struct OptionsCase {
+  volt::TrainerOptions expected;
+  std::string file;
+  std::vector<std::string> flags;
+};
+
+std::vector<OptionsCase> options_cases() {
+  using namespace std::chrono_literals;
+  OptionsCase a;
+  volt::TrainerOptions& o = a.expected;
+  o.devices = 3;
+  o.num_nodes = 2;
+  o.max_epochs = 7;
+  o.min_epochs = 2;
+  o.max_steps = 900;
+  o.min_steps = 5;
+  o.max_time = 90min;
+  o.limit_train_batches = 0.5;
+  o.limit_val_batches = 4;
+  o.limit_test_batches = 0.25;
+  o.limit_predict_batches = 6;
+  o.val_check_interval = 10;
+  o.check_val_every_n_epoch = std::nullopt;
+  o.num_sanity_val_steps = -1;
+  o.accumulate_grad_batches = 4;
+  o.gradient_clip_val = 0.5;
+  o.gradient_clip_algorithm = volt::ClipAlgorithm::value;
+  o.fast_dev_run = 3;
+  o.deterministic = true;
+  o.benchmark = false;
+  o.seed = 18446744073709551615ull;
+  o.detect_anomaly = true;
+  o.inference_mode = false;
+  o.log_every_n_steps = 10;
+  o.default_root_dir = "runs/a b";
+  o.signals = {.enabled = false, .requeue_signal = SIGUSR2, .auto_requeue = false, .scontrol = "/opt/slurm/scontrol",
+               .exit_process = false};
+  o.timeout = 45min;
+  a.file = R"({"trainer": {"devices": 3, "num_nodes": 2, "max_epochs": 7, "min_epochs": 2, "max_steps": 900,
+    "min_steps": 5, "max_time": "1h30min", "limit_train_batches": 0.5, "limit_val_batches": 4,
+    "limit_test_batches": 0.25, "limit_predict_batches": 6, "val_check_interval": 10,
+    "check_val_every_n_epoch": null, "num_sanity_val_steps": -1, "accumulate_grad_batches": 4,
+    "gradient_clip_val": 0.5, "gradient_clip_algorithm": "value", "fast_dev_run": 3, "deterministic": true,
+    "benchmark": false, "seed": 18446744073709551615, "detect_anomaly": true, "inference_mode": false,
+    "log_every_n_steps": 10, "default_root_dir": "runs/a b",
+    // comments are allowed
+    "signals": {"enabled": false, "requeue_signal": 12, "auto_requeue": false, "scontrol": "/opt/slurm/scontrol",
+                "exit_process": false},
+    "timeout": "00:00:45:00"}})";
+  a.flags = {"--trainer.devices=3", "--trainer.num_nodes", "2", "--trainer.max_epochs=7", "--trainer.min_epochs=2",
+             "--trainer.max_steps=900", "--trainer.min_steps=5", "--trainer.max_time=90min",
+             "--trainer.limit_train_batches=0.5", "--trainer.limit_val_batches=4",
+             "--trainer.limit_test_batches=2.5e-1", "--trainer.limit_predict_batches=6",
+             "--trainer.val_check_interval=10", "--trainer.check_val_every_n_epoch=null",
+             "--trainer.num_sanity_val_steps", "-1", "--trainer.accumulate_grad_batches=4",
+             "--trainer.gradient_clip_val=0.5", "--trainer.gradient_clip_algorithm=value", "--trainer.fast_dev_run=3",
+             "--trainer.deterministic", "--trainer.benchmark=false", "--trainer.seed=18446744073709551615",
+             "--trainer.detect_anomaly=true", "--trainer.inference_mode=0", "--trainer.log_every_n_steps=10",
+             "--trainer.default_root_dir=runs/a b", "--trainer.signals.enabled=false",
+             "--trainer.signals.requeue_signal=12", "--trainer.signals.auto_requeue=false",
+             "--trainer.signals.scontrol=/opt/slurm/scontrol", "--trainer.signals.exit_process=false",
+             "--trainer.timeout=2700s"};
+  OptionsCase b;
+  b.expected.overfit_batches = 0.125;
+  b.expected.max_epochs = -1;
+  b.expected.max_time = 36h;
+  b.file = R"({"trainer": {"overfit_batches": 0.125, "max_epochs": -1, "max_time": "1d12h"}})";
+  b.flags = {"--trainer.overfit_batches=0.125", "--trainer.max_epochs=-1", "--trainer.max_time=01:12:00:00"};
+  return {a, b};
+}
+
+/// The options `argv` gives (`--config` files and flags) through a Config with the trainer's section.
+volt::TrainerOptions parsed(const std::vector<std::string>& args) {
+  volt::TrainerOptions o;
+  volt::Config config("test");
+  config.add("trainer", o);
+  std::vector<const char*> argv{"test"};
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  std::ostringstream out;
+  if (!config.parse(static_cast<int>(argv.size()), argv.data(), out)) FAIL("parse printed instead: " << out.str());
+  return o;
+}
+
+/// The one-line error `args` give, or "" when they give none.
+std::string parse_error(const std::vector<std::string>& args) {
+  try {
+    (void)parsed(args);
+  } catch (const volt::ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string write_file(const fs::path& path, const std::string& text) {
+  fs::create_directories(path.parent_path());
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+}  // namespace
+
+TEST_CASE("every TrainerOptions field set from a file and from flags equals the same option set in C++, and the "
+          "printed configuration reads back to it", "[config]") {
+  const fs::path dir = scratch("config_fields");
+  const std::vector<OptionsCase> cases = options_cases();
+  // Together the cases move every field away from its default: a field added to TrainerOptions and not here fails.
+  const volt::TrainerOptions defaults;
+  auto differs = [&](std::size_t field) {
+    bool any = false;
+    for (const OptionsCase& c : cases) {
+      auto mine = volt::config::detail::tie(c.expected);
+      auto theirs = volt::config::detail::tie(defaults);
+      [&]<std::size_t... I>(std::index_sequence<I...>) {
+        ((I == field && !(std::get<I>(mine) == std::get<I>(theirs)) ? static_cast<void>(any = true)
+                                                                    : static_cast<void>(0)), ...);
+      }(std::make_index_sequence<std::tuple_size_v<decltype(mine)>>{});
+    }
+    return any;
+  };
+  const std::size_t fields = volt::config::detail::field_count<volt::TrainerOptions>();
+  for (std::size_t f = 0; f < fields; ++f) {
+    INFO("field " << f << " (" << volt::config::detail::docs_of<volt::TrainerOptions>[f].name << ")");
+    CHECK(differs(f));
+  }
+  int n = 0;
+  for (const OptionsCase& c : cases) {
+    INFO("case " << n);
+    const std::string file = write_file(dir / ("case" + std::to_string(n++) + ".json"), c.file);
+    CHECK(parsed({"--config", file}) == c.expected);
+    CHECK(parsed(c.flags) == c.expected);
+    // --print_config prints what --config reads back to the same options.
+    volt::TrainerOptions o = c.expected;
+    volt::Config config("test");
+    config.add("trainer", o);
+    const char* argv[] = {"test", "--print_config"};
+    std::ostringstream printed;
+    CHECK_FALSE(config.parse(2, argv, printed));
+    const std::string again = write_file(dir / "printed.json", printed.str());
+    CHECK(parsed({"--config", again}) == c.expected);
+  }
+  // Later flags and files win, in the order given.
+  const std::string five = write_file(dir / "five.json", R"({"trainer": {"max_epochs": 5}})");
+  CHECK(parsed({"--trainer.max_epochs=3", "--config", five}).max_epochs == 5);
+  CHECK(parsed({"--config", five, "--trainer.max_epochs=3"}).max_epochs == 3);
+}
+
+TEST_CASE("a misspelt key, a wrong type, an unknown flag and a refused value each give one line naming them",
+          "[config]") {
+  const fs::path dir = scratch("config_errors");
+  const std::string misspelt = write_file(dir / "misspelt.json", R"({"trainer": {"max_epoch": 5}})");
+  CHECK(parse_error({"--config", misspelt}) ==
+        "volt: " + misspelt + ": unknown option \"trainer.max_epoch\"; did you mean \"trainer.max_epochs\"? (--help "
+        "lists every option)");
+  const std::string typed = write_file(dir / "typed.json", R"({"trainer": {"deterministic": "yes"}})");
+  CHECK(parse_error({"--config", typed}) ==
+        "volt: " + typed + ": trainer.deterministic takes true or false; got \"yes\" (a string).");
+  const std::string fraction = write_file(dir / "fraction.json", R"({"trainer": {"devices": 1.5}})");
+  CHECK(parse_error({"--config", fraction}) ==
+        "volt: " + fraction + ": trainer.devices takes an integer; got 1.5 (a number).");
+  CHECK(parse_error({"--trainer.max_epochs=five"}) ==
+        "volt: --trainer.max_epochs=five: trainer.max_epochs takes an integer, or null (unset); got \"five\".");
+  CHECK(parse_error({"--trainer.max_time", "90"}) ==
+        "volt: --trainer.max_time 90: trainer.max_time takes a duration such as \"500ms\", \"30s\", \"90min\", \"12h\", "
+        "\"1h30min\" or \"DD:HH:MM:SS\", or null (unset); got \"90\".");
+  CHECK(parse_error({"--trainer.gradient_clip_algorithm=l2"}) ==
+        "volt: --trainer.gradient_clip_algorithm=l2: trainer.gradient_clip_algorithm takes one of norm, value; got "
+        "\"l2\".");
+  CHECK(parse_error({"--trainer.max_epoch=5"}) ==
+        "volt: --trainer.max_epoch=5: unknown option \"trainer.max_epoch\"; did you mean \"trainer.max_epochs\"? "
+        "(--help lists every option)");
+  CHECK(parse_error({"--max_steps=5"}) ==
+        "volt: --max_steps=5: unknown option \"max_steps\"; did you mean \"trainer.max_steps\"? (--help lists every "
+        "option)");
+  CHECK(parse_error({"--model.width=5"}) ==
+        "volt: --model.width=5: unknown option \"model.width\" (--help lists every option)");
+  CHECK(parse_error({"--trainer.signals=off"}) ==
+        "volt: --trainer.signals=off: trainer.signals is a group of options; give them one by one "
+        "(--trainer.signals.<name>=<value>, --help lists them), or as an object in a configuration file.");
+  CHECK(parse_error({"--trainer.max_steps"}) ==
+        "volt: --trainer.max_steps: trainer.max_steps needs a value (--trainer.max_steps=<value>): it takes an "
+        "integer.");
+  CHECK(parse_error({"epochs"}) == "volt: unexpected argument \"epochs\": options are flags, "
+                                   "--<section>.<option>=<value> (--help lists them).");
+  // A value of the right type that TrainerOptions does not allow: validate_options' line.
+  CHECK(parse_error({"--trainer.accumulate_grad_batches=0"}) ==
+        "volt: accumulate_grad_batches=0 is not allowed: give 1 (no accumulation) or more batches per optimizer step.");
+  const std::string broken = write_file(dir / "broken.json", R"({"trainer": {"max_epochs": 5,}})");
+  CHECK_THAT(parse_error({"--config", broken}), StartsWith("volt: " + broken + " is not valid JSON: "));
+  for (const std::string& e : {parse_error({"--config", misspelt}), parse_error({"--trainer.max_epochs=five"})}) {
+    CHECK(e.find('\n') == std::string::npos);
+  }
+}
+
+namespace {
+enum class Width { narrow, wide };
+constexpr auto volt_enum_names(Width) {
+  using P = std::pair<Width, std::string_view>;
+  return std::array{P{Width::narrow, "narrow"}, P{Width::wide, "wide"}};
+}
+struct ModelSection {
+  int64_t layers = 2;
+  Width width = Width::narrow;
+  std::vector<double> dropout{0.1, 0.2};
+  std::optional<std::string> name;
+};
+constexpr auto volt_fields(const ModelSection*) {
+  return volt::fields({{"layers", "transformer blocks"}, {"width", "which width"}, {"dropout", "per block"},
+                       {"name", "the run's name"}});
+}
+}  // namespace
+
+TEST_CASE("a program's own section: its options from flags and files, --help lists every option with its type and "
+          "default", "[config]") {
+  volt::TrainerOptions trainer{.max_epochs = 5};
+  ModelSection model;
+  volt::Config config("train", "Trains a model.");
+  config.add("trainer", trainer).add("model", model);
+  const char* argv[] = {"train", "--model.layers=4", "--model.width", "wide", "--model.dropout=0.5, 0.25",
+                        "--model.name=first"};
+  std::ostringstream out;
+  REQUIRE(config.parse(6, argv, out));
+  CHECK(model.layers == 4);
+  CHECK(model.width == Width::wide);
+  CHECK(model.dropout == std::vector<double>{0.5, 0.25});
+  CHECK(model.name == "first");
+  CHECK(config.json()["model"] == volt::Json::parse(R"({"layers": 4, "width": "wide", "dropout": [0.5, 0.25],
+                                                        "name": "first"})"));
+  const std::string help = config.help();
+  CHECK_THAT(help, StartsWith("usage: train [--config FILE] [--<section>.<option>=VALUE ...] [--print_config] "
+                              "[--help]\nTrains a model.\n"));
+  for (const std::string& key : config.keys()) CHECK_THAT(help, Contains("  --" + key + "  ("));
+  CHECK(config.keys().size() == volt::config::detail::field_count<volt::TrainerOptions>() - 1 +
+                                    volt::config::detail::field_count<volt::SignalOptions>() + 4);
+  CHECK_THAT(help, Contains("  --trainer.max_epochs  (an integer, or null (unset); default: 5)\n      stop after"));
+  CHECK_THAT(help, Contains("  --model.width  (one of narrow, wide; default: \"wide\")\n      which width"));
+  CHECK_THAT(help, Contains("  --trainer.timeout  (a duration such as"));
+  const char* help_argv[] = {"train", "--help"};
+  std::ostringstream printed;
+  CHECK_FALSE(config.parse(2, help_argv, printed));
+  CHECK(printed.str() == help);
+}

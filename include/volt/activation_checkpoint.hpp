@@ -49,6 +49,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -408,6 +409,18 @@ struct ActivationCheckpointing {
 };
 
 namespace detail {
+/// The module type a block list holds for `Block`: `Block` itself, or for a `TORCH_MODULE` holder (`TransformerBlock`)
+/// the `...Impl` it holds, which is what the list's entries are.
+template <class Block>
+struct block_impl {
+  using type = Block;
+};
+template <class Block>
+  requires std::is_base_of_v<torch::nn::ModuleHolder<typename Block::ContainedType>, Block>
+struct block_impl<Block> {
+  using type = typename Block::ContainedType;
+};
+
 /// `forward_blocks`' loop: each block under `activation_checkpoint` where `which` says, and as one unit of a fully
 /// sharded strategy where `units` (volt/units.hpp).
 template <class Block, class... Extra>
@@ -444,17 +457,18 @@ inline at::Tensor run_blocks(torch::nn::Sequential blocks, at::Tensor x, bool un
 
 /// Runs `x` through every block of `blocks` in order (`Block` each block's type: `blocks[i]->as<Block>()`), the ones
 /// `which` names under `activation_checkpoint`; `extra` is passed to every block after `x` (a mask, say).
+/// `Block` may be the module's `...Impl` type or its `TORCH_MODULE` holder.
 template <class Block, class... Extra>
 at::Tensor forward_blocks(const torch::nn::ModuleList& blocks, at::Tensor x, ActivationCheckpointing which,
                           const Extra&... extra) {
-  return detail::run_blocks<Block>(blocks, std::move(x), false, which, extra...);
+  return detail::run_blocks<typename detail::block_impl<Block>::type>(blocks, std::move(x), false, which, extra...);
 }
 
 /// The same with each block one unit of a fully sharded strategy (volt/units.hpp; a plain call under any other).
 template <class Block, class... Extra>
 at::Tensor forward_blocks(const torch::nn::ModuleList& blocks, at::Tensor x, Units /*each_block*/,
                           ActivationCheckpointing which = {}, const Extra&... extra) {
-  return detail::run_blocks<Block>(blocks, std::move(x), true, which, extra...);
+  return detail::run_blocks<typename detail::block_impl<Block>::type>(blocks, std::move(x), true, which, extra...);
 }
 
 /// The same over a `torch::nn::Sequential` whose modules each take and return one tensor.

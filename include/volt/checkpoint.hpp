@@ -7,6 +7,7 @@
 /// | key | contents |
 /// |---|---|
 /// | `format`, `format_version` | `"volt.checkpoint"`, 1 |
+/// | `epoch`, `global_step` | the epoch and the optimizer steps at the save, at the top level as Lightning's (also in weights-only checkpoints) |
 /// | `volt_version`, `torch_version` | the versions that wrote it |
 /// | `state_dict` | the module's parameters and buffers by dotted name, as `nn.Module.state_dict()`; CPU tensors |
 /// | `optimizer_states` | per optimizer (in configure_optimizers' order), its LibTorch archive as a uint8 tensor |
@@ -17,6 +18,7 @@
 /// | `metrics` | every rank's running metric sums of the training epoch (a list per rank, in rank order), so epoch values stay whole across a resume on any number of ranks |
 /// | `rng` | `cpu` (and `cuda`): every rank's generator state, in rank order |
 /// | `callbacks` | each stateful callback's state, by its `state_key` |
+/// | `hyper_parameters` | what `Trainer::save_hyperparameters` was given, with the module's own (also in weights-only checkpoints; absent when none) |
 /// | `checksum` | CRC-32 (zlib) of everything above: a flipped byte is an error, not a silently wrong weight |
 ///
 /// Writes are atomic: the bytes go to `<path>.tmp.<pid>` in the same folder, are flushed to the disk
@@ -76,6 +78,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <tuple>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -101,6 +104,9 @@ inline constexpr const char* metrics = "metrics";
 inline constexpr const char* rng = "rng";
 inline constexpr const char* callbacks = "callbacks";
 inline constexpr const char* accumulated_grads = "accumulated_grads";
+inline constexpr const char* hyper_parameters = "hyper_parameters";
+inline constexpr const char* epoch = "epoch";
+inline constexpr const char* global_step = "global_step";
 }  // namespace keys
 
 using Dict = c10::impl::GenericDict;
@@ -256,8 +262,45 @@ struct WeightsMatch {
                                                           ///< one; file names the module does not have
 };
 
+namespace detail {
+/// `n <what>: a, b, c, ...`: the count and the first three names, for one line however many differ.
+inline std::string first_names(const std::vector<std::string>& names, const std::string& what) {
+  std::string out = std::to_string(names.size()) + " " + what + " (";
+  for (std::size_t i = 0; i < names.size() && i < 3; ++i) out += (i > 0 ? ", " : "") + names[i];
+  return out + (names.size() > 3 ? ", ...)" : ")");
+}
+
+/// The rename rule that turns the most of the file's unmatched names into missing module names (the file's part
+/// before a common tail for the module's part before it, cut at a '.'), as a hint; empty when none turns one.
+inline std::string rename_hint(const std::vector<std::string>& file, const std::vector<std::string>& module) {
+  const std::set<std::string> wanted(module.begin(), module.end());
+  std::string best_from, best_to;
+  std::size_t best = 0;
+  for (std::size_t i = 0; i < file.size() && i < 64; ++i) {
+    for (std::size_t j = 0; j < module.size() && j < 64; ++j) {
+      const std::string& a = file[i];
+      const std::string& b = module[j];
+      std::size_t tail = 0;  // the common ending, from just after a '.'
+      while (tail < a.size() && tail < b.size() && a[a.size() - 1 - tail] == b[b.size() - 1 - tail]) ++tail;
+      std::size_t cut = a.size() - tail;
+      while (cut > 0 && cut < a.size() && a[cut - 1] != '.') ++cut;
+      if (cut >= a.size()) continue;
+      const std::string from = a.substr(0, cut), to = b.substr(0, b.size() - (a.size() - cut));
+      std::size_t turned = 0;
+      for (const std::string& f : file) turned += f.rfind(from, 0) == 0 && wanted.count(to + f.substr(from.size()));
+      if (turned > best) std::tie(best, best_from, best_to) = std::tie(turned, from, to);
+    }
+  }
+  if (best == 0) return "";
+  return "Renaming \"" + best_from + "\" to \"" + best_to + "\" would match " + std::to_string(best) + " of them: " +
+         "LoadWeightsOptions{.rename = {{\"" + best_from + "\", \"" + best_to + "\"}}}.";
+}
+}  // namespace detail
+
 /// Matches `named` to the module's parameters and buffers by name. Throws, naming every difference and what the
-/// weights are (`origin`), when shapes differ, and when `strict` and a name is missing or unexpected.
+/// weights are (`origin`), when shapes differ, and when `strict` and a name is missing or unexpected, or when not
+/// one of the file's tensors has a place in the module (a non-strict load that would load nothing). The message gives
+/// the counts, the first few names and, where one fits, the rename rule that would match them.
 inline WeightsMatch match_weights(const torch::nn::Module& module, const NamedTensors& named, bool strict,
                                   const std::string& origin) {
   std::map<std::string, at::Tensor> mine;
@@ -283,17 +326,16 @@ inline WeightsMatch match_weights(const torch::nn::Module& module, const NamedTe
   for (const auto& [k, v] : mine) {
     if (!seen.count(k)) m.missing.push_back(k);
   }
-  auto list = [](const std::vector<std::string>& names) {
-    std::string out;
-    for (const auto& n : names) out += " " + n;
-    return out;
-  };
-  if (!shapes.str().empty() || (strict && (!m.missing.empty() || !m.unexpected.empty()))) {
+  const bool none_fit = m.loaded.empty() && !named.empty() && !mine.empty();  // not strict either: surely a mistake
+  if (!shapes.str().empty() || ((strict || none_fit) && (!m.missing.empty() || !m.unexpected.empty()))) {
     std::string msg = "volt: the weights in " + origin + " do not fit this module:";
-    if (strict && !m.missing.empty()) msg += " missing" + list(m.missing) + ";";
-    if (strict && !m.unexpected.empty()) msg += " not in the module" + list(m.unexpected) + ";";
+    if (!m.missing.empty()) msg += " " + detail::first_names(m.missing, "of the module's names missing") + ";";
+    if (!m.unexpected.empty()) msg += " " + detail::first_names(m.unexpected, "of the file's not in the module") + ";";
     if (!shapes.str().empty()) msg += " other shapes" + shapes.str() + ";";
-    throw CheckpointError(msg + " nothing was loaded.");
+    msg += " nothing was loaded.";
+    if (const std::string hint = detail::rename_hint(m.unexpected, m.missing); !hint.empty()) msg += " " + hint;
+    if (none_fit && !strict) msg += " (Not one tensor matched, so the non-strict load refused too.)";
+    throw CheckpointError(msg);
   }
   return m;
 }

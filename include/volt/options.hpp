@@ -36,6 +36,8 @@ class Limit {
   constexpr bool is_zero() const { return is_fraction_ ? fraction_ == 0.0 : count_ == 0; }
   constexpr int64_t count() const { return count_; }
   constexpr double fraction() const { return fraction_; }
+  /// The same spelling and value (`5` is not `5.0`: a count is not a fraction).
+  friend constexpr bool operator==(const Limit&, const Limit&) = default;
 
   /// Throws unless this is a count >= `min_count` or a fraction in [min_fraction, 1] (`name` and the value are quoted).
   void check(std::string_view name, int64_t min_count, double min_fraction, bool fraction_may_be_min = true) const {
@@ -110,6 +112,8 @@ struct SignalOptions {
   /// End the process after the checkpoint (false: fit throws `volt::Interrupted` instead, for programs that
   /// clean up themselves).
   bool exit_process = true;
+
+  bool operator==(const SignalOptions&) const = default;
 };
 
 /// The Trainer's run-time settings. Every field has Lightning's default and meaning unless said otherwise.
@@ -187,6 +191,9 @@ struct TrainerOptions {
   /// step, bucket), the ranks that had not issued it and the waiting rank's last collectives. A rank not heard from at
   /// all (its process, host or link gone) ends the job sooner: after 15 s of silence, or this timeout when shorter.
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
+
+  /// Every field equal (a configuration read from a file or flags against the same options set in C++).
+  bool operator==(const TrainerOptions&) const = default;
 };
 
 namespace detail {

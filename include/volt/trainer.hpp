@@ -20,6 +20,7 @@
 #include "volt/checkpoint.hpp"
 #include "volt/cluster/signals.hpp"
 #include "volt/connectors/checkpoint_connector.hpp"
+#include "volt/connectors/hyper_parameters.hpp"
 #include "volt/connectors/logger_connector.hpp"
 #include "volt/context.hpp"
 #include "volt/data/concept.hpp"
@@ -222,6 +223,10 @@ class Trainer {
   void save_checkpoint(const std::vector<std::string>& paths, const SaveOptions& options);
   void wait_for_checkpoint() { writer_.wait(); }
 
+  /// Keeps `hparams` (a JSON object, as `Config::json()`) as the hyper-parameters, with the module's own added
+  /// (`hyper_parameters()`), for every checkpoint and the loggers' folders (volt/connectors/hyper_parameters.hpp).
+  void save_hyperparameters(Json hparams);
+  const Json& hyper_parameters() const { return hparams_.effective; }  ///< in the running (or last) run
   /// Asks the training loop to stop (honoured once min_epochs and min_steps are met).
   void request_stop() { progress_.should_stop = true; }
   /// Whether a stop was asked for.
@@ -247,11 +252,7 @@ class Trainer {
   torch::optim::Optimizer* optimizer() { return optim_.empty() ? nullptr : optim_[0].config.optimizer.get(); }
   torch::optim::LRScheduler* lr_scheduler() { return optim_.empty() ? nullptr : optim_[0].config.scheduler.get(); }
   /// Every optimizer of the running (or last) fit, in configure_optimizers' order (several: manual optimization).
-  std::vector<torch::optim::Optimizer*> optimizers() {
-    std::vector<torch::optim::Optimizer*> out;
-    for (auto& o : optim_) out.push_back(o.config.optimizer.get());
-    return out;
-  }
+  std::vector<torch::optim::Optimizer*> optimizers();
 
   /// The strategy object (DDP's bucket settings, ranks).
   strategy_type& strategy() { return strategy_; }
@@ -374,12 +375,11 @@ class Trainer {
   /// The callbacks' on_save_checkpoint and the module's (full checkpoints only), set while a fit runs.
   std::function<void(checkpoint::Dict&, bool weights_only)> save_hooks_;
   checkpoint::AsyncWriter writer_;  ///< asynchronous saves
-  /// The training loader's position when the last fit ended.
-  std::optional<data::LoaderState> final_loader_state_;
-  /// A fit is running.
-  bool fitting_ = false;
+  std::optional<data::LoaderState> final_loader_state_;  ///< the training loader's position when the last fit ended
+  bool fitting_ = false;  ///< a fit is running
   /// The checkpoint the running (or last) fit resumed from ("" when none).
   std::string ckpt_path_;
+  detail::HyperParameters hparams_;  ///< given by save_hyperparameters, and with the module's in the running run
 };
 
 /// Builds a Trainer whose callback pack is deduced from the arguments:

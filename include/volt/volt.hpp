@@ -5,6 +5,7 @@
 #include "volt/batch.hpp"
 #include "volt/callbacks.hpp"
 #include "volt/checkpoint.hpp"
+#include "volt/config.hpp"
 #include "volt/context.hpp"
 #include "volt/data.hpp"
 #include "volt/launchers.hpp"

@@ -4,6 +4,7 @@
 #include "volt/callbacks/log_dir.hpp"
 #include "volt/stage.hpp"
 
+#include <charconv>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -24,7 +25,8 @@ namespace volt {
 /// rewritten through a temporary file and a rename, so a reader never sees a half-written header.
 /// Every row reaches the file when it is logged (`flush_every` = 1); the Trainer also flushes at each epoch's
 /// end, after each validation, on a stop signal, on a failure and at the end of a run, so a crash loses at
-/// most the rows of the last `flush_every - 1` logging events. Writes nothing under fast_dev_run.
+/// most the rows of the last `flush_every - 1` logging events. Writes nothing under fast_dev_run. The run's
+/// hyper-parameters (`Trainer::save_hyperparameters`) go beside the metrics as `hparams.yaml` when each run starts.
 class CSVLogger {
  public:
   struct Options {
@@ -52,8 +54,11 @@ class CSVLogger {
   template <class T, class M>
   void setup(T& trainer, M&, Stage) {
     enabled_ = trainer.is_global_zero() && !trainer.fast_dev_run();
-    if (!enabled_ || !log_dir_.empty()) return;
-    log_dir_ = detail::logger_dir(trainer, options_.save_dir, options_.name, options_.version, "CSVLogger");
+    if (!enabled_) return;
+    if (log_dir_.empty()) {
+      log_dir_ = detail::logger_dir(trainer, options_.save_dir, options_.name, options_.version, "CSVLogger");
+    }
+    detail::write_hparams_yaml(trainer, log_dir_, "CSVLogger");
   }
 
   template <class T>
@@ -113,14 +118,27 @@ class CSVLogger {
     std::map<std::string, double> values;
   };
 
+  /// A name as Python's csv module writes one: quoted when it holds a comma, a quote or a line break (quotes
+  /// doubled), as is otherwise.
+  static std::string csv_field(const std::string& s) {
+    if (s.find_first_of(",\"\r\n") == std::string::npos) return s;
+    std::string out = "\"";
+    for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+    return out + "\"";
+  }
+  /// The shortest text that reads back to the same double, as Python's repr (what Lightning's CSVLogger writes).
+  static std::string shortest(double v) {
+    char buf[32];
+    const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+    return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
+  }
   void write_header(std::ostream& f) const {
-    for (const auto& c : columns_) f << c << ",";
+    for (const auto& c : columns_) f << csv_field(c) << ",";
     f << "step\n";
   }
   void write_row(std::ostream& f, const Row& row) const {
-    f.precision(10);
     for (const auto& c : columns_) {
-      if (auto it = row.values.find(c); it != row.values.end()) f << it->second;
+      if (auto it = row.values.find(c); it != row.values.end()) f << shortest(it->second);
       f << ",";
     }
     f << row.step << "\n";

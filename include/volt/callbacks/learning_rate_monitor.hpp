@@ -14,8 +14,9 @@
 
 namespace volt {
 
-/// Records the learning rate of each parameter group as `lr-<Optimizer>` (`lr-<Optimizer>/pg<i>` when
-/// there are several groups; `lr-<Optimizer>-1` for a second optimizer of one type), as Lightning's
+/// Records the learning rate of each parameter group as `lr-<Optimizer>` (`lr-<Optimizer>/pg1`, `/pg2`, ... when
+/// there are several groups; `lr-<Optimizer>-1` for a second optimizer of one type), all in one logging event, as
+/// Lightning's
 /// LearningRateMonitor: at the start of every epoch, or (`volt::Interval::step`) at the start of every training batch
 /// that loggers get values of (every `log_every_n_steps` optimizer steps), under the step its values are filed at:
 /// the rate step i runs with is recorded at step i. Lightning records again at each batch of an accumulation window;
@@ -52,6 +53,7 @@ class LearningRateMonitor {
   template <class T>
   void record(T& trainer) {
     std::map<std::string, int> seen;  // a second optimizer of one type is `lr-<Optimizer>-1`, as Lightning names it
+    std::map<std::string, double> rates;
     bool first = true;
     for (torch::optim::Optimizer* opt : trainer.optimizers()) {
       std::string name = c10::demangle(typeid(*opt).name());
@@ -61,11 +63,11 @@ class LearningRateMonitor {
       for (std::size_t i = 0; i < groups.size(); ++i) {
         const double lr = groups[i].options().get_lr();
         if (first && i == 0) last_lr_ = lr;
-        trainer.record_metric(groups.size() == 1 ? "lr-" + name : "lr-" + name + "/pg" + std::to_string(i), lr,
-                              options_.prog_bar);
+        rates[groups.size() == 1 ? "lr-" + name : "lr-" + name + "/pg" + std::to_string(i + 1)] = lr;
       }
       first = false;
     }
+    if (!rates.empty()) trainer.record_metrics(rates, options_.prog_bar);  // one row of a CSV file, as Lightning
   }
 
   Options options_;

@@ -465,7 +465,7 @@ class ModelCheckpoint {
     for (const auto& p : remove) {
       if (p == written || p == last || !trainer.is_global_zero() || !may_remove(trainer, p)) continue;
       doomed.push_back(p);
-      if (options_.save_safetensors) doomed.push_back(checkpoint::weights_beside(p));
+      doomed.push_back(checkpoint::weights_beside(p));  // whichever run wrote it: it goes with its checkpoint
     }
     std::string said;
     if (options_.verbose && !written.empty()) {

@@ -49,6 +49,8 @@ class TensorBoardLogger {
     /// Unset: the version another logger of this Trainer chose, else the next free version number.
     std::optional<int> version;
     /// Hyper-parameters shown in the HPARAMS tab: numbers, bools or strings (`{"lr", 1e-3}, {"optimizer", "adam"}`).
+    /// Empty: the Trainer's (`save_hyperparameters`), flattened as Lightning's (`trainer/max_epochs`; null as "None",
+    /// a list as its JSON text).
     std::map<std::string, tensorboard::HParam> hparams;
     /// Logged metrics the HPARAMS tab shows beside the hyper-parameters (`{"val_acc"}`).
     std::vector<std::string> hparam_metrics;
@@ -63,10 +65,6 @@ class TensorBoardLogger {
     if (options_.max_queue < 1) {
       throw std::invalid_argument("volt: TensorBoardLogger max_queue=" + std::to_string(options_.max_queue) +
                                   " is not allowed: give a number >= 1.");
-    }
-    if (!options_.hparam_metrics.empty() && options_.hparams.empty()) {
-      throw std::invalid_argument("volt: TensorBoardLogger hparam_metrics are given without hparams: the HPARAMS tab "
-                                  "shows metrics beside hyper-parameters; give Options::hparams too.");
     }
   }
 
@@ -85,12 +83,22 @@ class TensorBoardLogger {
       pending_ += tensorboard::record(tensorboard::file_version_event(now()));
       write_pending();  // the file exists from the start, so a reader finds the run
     }
+    detail::write_hparams_yaml(trainer, log_dir_, "TensorBoardLogger");
     if (stage == Stage::train && !started_) {
       started_ = true;
       const int64_t step = trainer.global_step();
-      if (!options_.hparams.empty()) {
-        add({tensorboard::hparams_experiment(options_.hparams, options_.hparam_metrics)}, step);
-        add({tensorboard::hparams_session_start(options_.hparams, now())}, step);
+      shown_hparams_ = options_.hparams;
+      if constexpr (requires { trainer.hyper_parameters(); }) {
+        if (shown_hparams_.empty()) flatten(trainer.hyper_parameters(), "", shown_hparams_);
+      }
+      if (shown_hparams_.empty() && !options_.hparam_metrics.empty()) {
+        throw std::invalid_argument("volt: TensorBoardLogger hparam_metrics are given without hparams: the HPARAMS tab "
+                                    "shows metrics beside hyper-parameters; give Options::hparams, or the Trainer's "
+                                    "(save_hyperparameters).");
+      }
+      if (!shown_hparams_.empty()) {
+        add({tensorboard::hparams_experiment(shown_hparams_, options_.hparam_metrics)}, step);
+        add({tensorboard::hparams_session_start(shown_hparams_, now())}, step);
       }
       if (options_.log_model_summary) add({tensorboard::text_value("model_summary", summarize(module).to_markdown())}, step);
       flush();
@@ -107,7 +115,7 @@ class TensorBoardLogger {
 
   template <class T, class M>
   void teardown(T& trainer, M&, Stage stage) {
-    if (enabled_ && stage == Stage::train && !options_.hparams.empty()) {
+    if (enabled_ && stage == Stage::train && !shown_hparams_.empty()) {
       add({tensorboard::hparams_session_end(/*success=*/true, now())}, trainer.global_step());
     }
     flush();
@@ -116,7 +124,7 @@ class TensorBoardLogger {
   template <class T, class M>
   void on_exception(T& trainer, M&, std::exception_ptr error) {
     try {  // the run's own error is the one to see: a failing write here must not replace it
-      if (enabled_ && trainer.fitting() && !options_.hparams.empty() && !is_interruption(error)) {
+      if (enabled_ && trainer.fitting() && !shown_hparams_.empty() && !is_interruption(error)) {
         add({tensorboard::hparams_session_end(/*success=*/false, now())}, trainer.global_step());
       }
       flush();
@@ -131,6 +139,23 @@ class TensorBoardLogger {
   }
 
  private:
+  /// A JSON object's values as HPARAMS entries named by their path (`trainer/max_epochs`), as Lightning flattens them.
+  static void flatten(const Json& j, const std::string& prefix, std::map<std::string, tensorboard::HParam>& out) {
+    for (const auto& [k, v] : j.items()) {
+      const std::string name = prefix.empty() ? k : prefix + "/" + k;
+      if (v.is_object()) {
+        flatten(v, name, out);
+      } else if (v.is_boolean()) {
+        out.insert_or_assign(name, tensorboard::HParam(v.get<bool>()));
+      } else if (v.is_number()) {
+        out.insert_or_assign(name, tensorboard::HParam(v.get<double>()));
+      } else if (v.is_string()) {
+        out.insert_or_assign(name, tensorboard::HParam(v.get<std::string>()));
+      } else {
+        out.insert_or_assign(name, tensorboard::HParam(v.is_null() ? std::string("None") : v.dump()));
+      }
+    }
+  }
   static bool is_interruption(std::exception_ptr error) {
     try {
       if (error) std::rethrow_exception(error);
@@ -178,6 +203,8 @@ class TensorBoardLogger {
   bool enabled_ = false;
   /// The hyper-parameters and the summary are written (once per logger, at the first fit).
   bool started_ = false;
+  /// The HPARAMS tab's values: Options::hparams, or the Trainer's flattened.
+  std::map<std::string, tensorboard::HParam> shown_hparams_;
   std::filesystem::path log_dir_;
   std::filesystem::path file_;
   /// Whole records not yet written, and how many logging events they hold.

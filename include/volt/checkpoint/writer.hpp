@@ -14,6 +14,7 @@
 
 #include <exception>
 #include <filesystem>
+#include <system_error>
 #include <functional>
 #include <future>
 #include <iostream>
@@ -86,7 +87,8 @@ inline TensorFile weights_of(const Dict& contents, const std::string& path) {
 /// Stamps `contents` with the format, the versions and its checksum, and writes it atomically to each of `paths` in
 /// order (the same bytes; serialized once). `weights_beside_each`: after each checkpoint, its state_dict as
 /// safetensors at `weights_beside(path)`, written atomically too (a process killed between the two leaves a
-/// checkpoint without its weights file, never a partial file).
+/// checkpoint without its weights file, never a partial file). Without it, a weights file an earlier run left at
+/// `weights_beside(path)` is deleted before the checkpoint is written.
 inline void save(const std::vector<std::string>& paths, const Dict& given, bool weights_beside_each = false) {
   const std::string path = paths.empty() ? std::string() : paths.front();
   Dict contents = unshared(given, /*copy_tensors=*/false).toGenericDict();  // the same bytes whoever shares a piece
@@ -105,6 +107,9 @@ inline void save(const std::vector<std::string>& paths, const Dict& given, bool 
     throw CheckpointError("volt: serializing the checkpoint for " + path + " failed: " + detail::first_line(e.what()));
   }
   for (const auto& p : paths) {
+    // A weights file never stands beside a checkpoint of another step: an earlier run's goes before this one lands.
+    std::error_code ec;
+    if (!weights_beside_each) std::filesystem::remove(weights_beside(p), ec);
     write_atomic(p, bytes.data(), bytes.size());
     if (weights_beside_each) safetensors::write(weights_beside(p), weights);
   }

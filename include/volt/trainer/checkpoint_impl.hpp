@@ -148,6 +148,9 @@ checkpoint::Dict Trainer<S, P, A, Cs...>::checkpoint_contents(checkpoint::Dict d
     }
   }
   if (!strategy_.is_global_zero()) return d;
+  d.insert(checkpoint::keys::epoch, state_.current_epoch);  // at the top level too, where Lightning's tools read them
+  d.insert(checkpoint::keys::global_step, state_.global_step);
+  if (!hparams_.effective.empty()) d.insert(checkpoint::keys::hyper_parameters, detail::to_ivalue(hparams_.effective));
   if (!weights_only) {
     checkpoint::FitState fit;
     std::vector<int64_t> optimizer_steps;

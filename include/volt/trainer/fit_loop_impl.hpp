@@ -134,9 +134,12 @@ void Trainer<S, P, A, Cs...>::fit_loop(Impl& module, Context& ctx, TL& train, VL
 
   if constexpr (!std::is_same_v<VL, NoLoader>) {
     // num_sanity_val_steps of each loader; not when resuming inside an epoch (Lightning's loops are "restarting"
-    // then: the check would disturb the state loaded), but after an epoch-end checkpoint, as a fresh epoch.
+    // then: the check would disturb the state loaded), but after an epoch-end checkpoint, as a fresh epoch; and, as
+    // Lightning 2.6, not in any resumed fit that sets max_steps (such as one going on from the last.ckpt a fit wrote
+    // when max_steps ended it inside an epoch).
     const bool mid_epoch = resume && !resume->epoch_finished && resume->batch_in_epoch > 0;
-    if (num_val_batches_ != 0 && options_.num_sanity_val_steps != 0 && !mid_epoch) {
+    const bool step_limited_resume = resume && options_.max_steps != -1;
+    if (num_val_batches_ != 0 && options_.num_sanity_val_steps != 0 && !mid_epoch && !step_limited_resume) {
       state_.stage = Stage::sanity_check;
       detail::call_callbacks<detail::hooks::on_sanity_check_start>(callbacks_, *this, module);
       run_eval_loop<detail::ValidationKind>(

@@ -101,6 +101,7 @@ void Trainer<S, P, A, Cs...>::apply_fast_dev_run() {
 template <class S, class P, class A, class... Cs>
 template <class Impl>
 void Trainer<S, P, A, Cs...>::setup_run(Impl& module) {
+  hparams_.effective = detail::effective_hyper_parameters(hparams_.given, module);  // before any callback's setup
   if (options_.seed) torch::manual_seed(*options_.seed);
   if (options_.deterministic) {
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
@@ -124,6 +125,22 @@ void Trainer<S, P, A, Cs...>::setup_run(Impl& module) {
   if constexpr (requires { strategy_.apply_plan(module, plan); }) strategy_.apply_plan(module, plan);
   strategy_.set_compute_dtype(detail::compute_dtype_of<precision_type>);
   precision_.convert_module(module);
+}
+
+template <class S, class P, class A, class... Cs>
+void Trainer<S, P, A, Cs...>::save_hyperparameters(Json hparams) {
+  if (!hparams.is_object()) {
+    throw ConfigError("volt: save_hyperparameters takes a JSON object of names and values (Config::json()); got " +
+                      config::shown(hparams) + " (" + config::kind_of(hparams) + ").");
+  }
+  hparams_.given = hparams_.effective = std::move(hparams);
+}
+
+template <class S, class P, class A, class... Cs>
+std::vector<torch::optim::Optimizer*> Trainer<S, P, A, Cs...>::optimizers() {
+  std::vector<torch::optim::Optimizer*> out;
+  for (auto& o : optim_) out.push_back(o.config.optimizer.get());
+  return out;
 }
 
 /// A fresh loop state that keeps the epoch and step counters of earlier runs (as Lightning's Trainer).

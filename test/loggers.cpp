@@ -361,6 +361,7 @@ TEST_CASE("a fit keeps its configuration and the module's hyper-parameters in ch
           "[.hparams_export]") {
   const auto dir = env_dir("VOLT_HPARAMS_DIR");
   fs::remove_all(dir);
+  fs::create_directories(dir);
   volt::TrainerOptions options{.max_epochs = 2, .log_every_n_steps = 1, .default_root_dir = dir.string()};
   RunSection run;
   volt::Config config("hparams");

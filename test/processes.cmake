@@ -202,7 +202,7 @@ else()
 endif()
 volt_torch_python_test(hparams.python
                        "VOLT_HPARAMS_DIR='${resume_dir}/hparams' '$<TARGET_FILE:volt_tests>' '[.hparams_export]'"
-                       hparams_check.py checkpoints "'${resume_dir}/hparams'" ${volt_hparams_logs})
+                       hparams_check.py "checkpoints '${resume_dir}/hparams' ${volt_hparams_logs}")
 if(VOLT_TOOLS_PYTHON)
   set_tests_properties(hparams.python PROPERTIES PASS_REGULAR_EXPRESSION "hparams ok: hparams.yaml")
 endif()

@@ -1,4 +1,4 @@
-// expect: field_missing_from_table<Options, [^>]*"depth"
+// expect: field_missing_from_table<Options, [^ ]*"depth"
 // A field of a configurable struct left out of its table (a field added to the struct later): one error that names it.
 #include <volt/volt.hpp>
 struct Options {

@@ -242,7 +242,9 @@ void apply(T& object, const Json& j, const std::string& prefix, const Source& fr
     throw ConfigError("volt: " + from.where + ": \"" + prefix + "\" takes an object of options ({\"name\": value, "
                       "...}); got " + shown(j) + " (" + kind_of(j) + ").");
   }
-  for (const auto& [key, value] : j.items()) {
+  for (auto it = j.begin(); it != j.end(); ++it) {  // (not a structured binding: Clang 14 cannot capture one)
+    const std::string& key = it.key();
+    const Json& value = it.value();
     const std::string full = detail::join(prefix, key);
     bool found = false;
     detail::for_each_field<T>(object, [&](const FieldDoc& doc, auto& field) {

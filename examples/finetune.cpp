@@ -5,10 +5,13 @@
 // the backbone frozen for the first epoch while the head learns, then trains it at a tenth of the head's learning
 // rate, growing each epoch. The same model trained from scratch on the same few labelled images is the comparison.
 //
-//   finetune [--data-dir DIR] [--out DIR] [--pretrain-batches N] [--samples N] [--epochs N]
+//   finetune [--data.dir=DIR] [--data.samples=N] [--pretrain.batches=N] [--trainer.max_epochs=N]
+//            [--trainer.default_root_dir=DIR] [--trainer.<option>=VALUE ...] [--config FILE] [--print_config] [--help]
 //
+// The trainer section is the fine-tuning Trainer's (both fits on the new task); the pretraining takes the same options
+// but runs one epoch of pretrain.batches batches, seeded with 42. The configuration is each fit's hyper-parameters.
 // Exits 77 (skipped) when the Fashion-MNIST files are missing, 1 when the backbone moved while it was frozen or
-// did not train after.
+// did not train after, 2 for an option it does not take.
 #include "fashion_mnist.hpp"
 #include "quickstart_net.hpp"
 
@@ -87,31 +90,49 @@ struct FrozenWatch {
   }
 };
 
-struct Args {
-  std::string data_dir = fashion_mnist::default_dir, out_dir = "finetune_run";
-  int64_t pretrain_batches = 200, samples = 2000, epochs = 4;
+/// The data.
+struct DataOptions {
+  std::string dir = fashion_mnist::default_dir;
+  int64_t samples = 2000;
 };
+constexpr auto volt_fields(const DataOptions*) {
+  return volt::fields({{"dir", "the folder of Fashion-MNIST's four *-ubyte.gz files"},
+                       {"samples", "labelled images of the new task: the first this many training images"}});
+}
 
-int run(const Args& args) {
-  const auto [train_x, train_y] = fashion_mnist::load(args.data_dir, /*train=*/true);
-  const auto [test_x, test_y] = fashion_mnist::load(args.data_dir, /*train=*/false);
-  const std::string weights = (std::filesystem::path(args.out_dir) / "pretrained.safetensors").string();
+/// The pretraining on Fashion-MNIST's 10 classes.
+struct PretrainOptions {
+  int64_t batches = 200;
+};
+constexpr auto volt_fields(const PretrainOptions*) {
+  return volt::fields({{"batches", "training batches of the one pretraining epoch"}});
+}
+
+int run(const volt::TrainerOptions& options, const DataOptions& data, const PretrainOptions& pre,
+        const volt::Json& hparams) {
+  const auto [train_x, train_y] = fashion_mnist::load(data.dir, /*train=*/true);
+  const auto [test_x, test_y] = fashion_mnist::load(data.dir, /*train=*/false);
+  const std::string weights = (std::filesystem::path(options.default_root_dir) / "pretrained.safetensors").string();
 
   // 1. Pretraining: the quick start's network on the 10 classes, its weights saved as safetensors.
   Net pretrained(1);
-  auto pretrain = volt::make_trainer({.max_epochs = 1, .limit_train_batches = args.pretrain_batches, .seed = 42,
-                                      .default_root_dir = args.out_dir});
+  volt::TrainerOptions pretrain_options = options;
+  pretrain_options.max_epochs = 1;
+  pretrain_options.limit_train_batches = volt::Limit(pre.batches);
+  pretrain_options.seed = 42;
+  auto pretrain = volt::make_trainer(pretrain_options);
+  pretrain.save_hyperparameters(hparams);
   pretrain.fit(pretrained, volt::data::TensorLoader(train_x, train_y, {.batch_size = 128, .shuffle = true, .seed = 1}));
   volt::save_safetensors(*pretrained, weights, {{"task", "fashion-mnist 10 classes"}});
-  std::cout << "pretrained on " << args.pretrain_batches << " batches of 10 classes; weights: " << weights << "\n";
+  std::cout << "pretrained on " << pre.batches << " batches of 10 classes; weights: " << weights << "\n";
 
-  // 2. The new task, with few labels: the first `samples` training images, 3 kinds.
+  // 2. The new task, with few labels: the first `data.samples` training images, 3 kinds.
   using namespace torch::indexing;
-  const auto few_x = train_x.index({Slice(0, args.samples)}), few_y = kind_of(train_y.index({Slice(0, args.samples)}));
+  const auto few_x = train_x.index({Slice(0, data.samples)}), few_y = kind_of(train_y.index({Slice(0, data.samples)}));
   volt::data::TensorLoader test(test_x, kind_of(test_y), {.batch_size = 512});
   auto fit = [&](ClothingKind& model, auto&&... callbacks) {
-    auto trainer = volt::make_trainer({.max_epochs = args.epochs, .seed = 7, .default_root_dir = args.out_dir},
-                                      std::forward<decltype(callbacks)>(callbacks)...);
+    auto trainer = volt::make_trainer(options, std::forward<decltype(callbacks)>(callbacks)...);
+    trainer.save_hyperparameters(hparams);
     trainer.fit(model, volt::data::TensorLoader(few_x, few_y, {.batch_size = 64, .shuffle = true, .seed = 2}));
     return trainer.test(model, test).at("test_acc");
   };
@@ -138,35 +159,22 @@ int run(const Args& args) {
 }
 
 int main(int argc, char** argv) try {
-  Args args;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--data-dir") {
-      args.data_dir = v;
-    } else if (a == "--out") {
-      args.out_dir = v;
-    } else if (a == "--pretrain-batches") {
-      args.pretrain_batches = std::stoll(v);
-    } else if (a == "--samples") {
-      args.samples = std::stoll(v);
-    } else if (a == "--epochs") {
-      args.epochs = std::stoll(v);
-    } else {
-      std::cerr << "finetune: unknown option " << a << "\n";
-      return 2;
-    }
-  }
-  if (argc % 2 == 0) {
-    std::cerr << "usage: finetune [--data-dir DIR] [--out DIR] [--pretrain-batches N] [--samples N] [--epochs N]\n";
-    return 2;
-  }
-  if (const auto missing = fashion_mnist::missing_file(args.data_dir); !missing.empty()) {
+  volt::TrainerOptions trainer{.max_epochs = 4, .seed = 7, .default_root_dir = "finetune_run"};
+  DataOptions data;
+  PretrainOptions pretrain;
+  volt::Config config("finetune", "Fine-tunes the quick start's pretrained CNN for a new task with few labels.");
+  config.add("trainer", trainer).add("data", data).add("pretrain", pretrain);
+  if (!config.parse(argc, argv)) return 0;
+  if (const auto missing = fashion_mnist::missing_file(data.dir); !missing.empty()) {
     std::cerr << "finetune: no Fashion-MNIST data: " << missing << " is missing. Install it with "
-              << "`apt-get install dataset-fashion-mnist` (Debian) or pass --data-dir FOLDER.\n";
+              << "`apt-get install dataset-fashion-mnist` (Debian) or pass --data.dir=FOLDER.\n";
     return 77;
   }
-  std::filesystem::create_directories(args.out_dir);
-  return run(args);
+  std::filesystem::create_directories(trainer.default_root_dir);
+  return run(trainer, data, pretrain, config.json());
+} catch (const volt::ConfigError& e) {
+  std::cerr << "finetune: " << e.what() << "\n";
+  return 2;
 } catch (const std::exception& e) {
   std::cerr << "finetune: " << e.what() << "\n";
   return 1;

@@ -1,13 +1,17 @@
 // A GAN on Fashion-MNIST with manual optimization: a generator and a discriminator, an Adam each, stepped in turn in
 // training_step through the Context (ctx.optimizers(), ctx.toggle_optimizer, ctx.manual_backward, opt.step()).
-//   gan [--device auto|cpu|cuda] [--epochs N] [--limit-batches N] [--data-dir DIR] [--out DIR]
+//   gan [--run.device=auto|cpu|cuda] [--data.dir=DIR] [--data.batch_size=N] [--trainer.max_epochs=N]
+//       [--trainer.limit_train_batches=N] [--trainer.default_root_dir=DIR] [--trainer.<option>=VALUE ...]
+//       [--config FILE] [--print_config] [--help]
 // Shows both losses in the progress bar and writes a grid of 64 generated images after every epoch, from the same
-// noise each time, as DIR/samples_epoch<N>.png (224 x 224, greyscale), so a person can watch them take shape. Ends
-// with the last losses; exits with 1 when they are not finite, and with 77 when the Fashion-MNIST files are missing.
+// noise each time, as DIR/samples_epoch<N>.png (224 x 224, greyscale; DIR: the Trainer's default_root_dir), so a person
+// can watch them take shape. Ends with the last losses; exits with 1 when they are not finite, with 77 when the
+// Fashion-MNIST files are missing, and with 2 for an option it does not take.
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include "device.hpp"
 #include "fashion_mnist.hpp"
 #include "png.hpp"
 
@@ -99,23 +103,34 @@ struct SampleGrid {
   }
 };
 
-struct Args {
-  std::string device = "auto";
-  int64_t epochs = 5, limit_batches = 0;
-  std::string data_dir = fashion_mnist::default_dir, out_dir = ".";
+/// Where the run goes.
+struct RunOptions {
+  Device device = Device::automatic;
 };
+constexpr auto volt_fields(const RunOptions*) {
+  return volt::fields({{"device", "auto: the GPU in bfloat16 mixed precision where CUDA sees one, else the CPU"}});
+}
+
+/// The data.
+struct DataOptions {
+  std::string dir = fashion_mnist::default_dir;
+  int64_t batch_size = 64;
+};
+constexpr auto volt_fields(const DataOptions*) {
+  return volt::fields({{"dir", "the folder of Fashion-MNIST's four *-ubyte.gz files"},
+                       {"batch_size", "training images per batch"}});
+}
 
 template <class Precision, class Accelerator>
-int train(const Args& args) {
-  const auto [x, y] = fashion_mnist::load(args.data_dir, /*train=*/true);
-  volt::data::TensorLoader loader(x, y, {.batch_size = 64, .shuffle = true, .drop_last = true, .seed = 42});
+int train(const volt::TrainerOptions& options, const DataOptions& data, const volt::Json& hparams) {
+  const auto [x, y] = fashion_mnist::load(data.dir, /*train=*/true);
+  volt::data::TensorLoader loader(x, y, {.batch_size = data.batch_size, .shuffle = true, .drop_last = true, .seed = 42});
   volt::seed_everything(42);
   Gan gan;
-  std::filesystem::create_directories(args.out_dir);
-  volt::TrainerOptions options{.max_epochs = args.epochs, .seed = 42, .default_root_dir = args.out_dir};
-  if (args.limit_batches > 0) options.limit_train_batches = volt::Limit(args.limit_batches);
+  std::filesystem::create_directories(options.default_root_dir);
   auto trainer = volt::make_trainer<volt::SingleDevice, Precision, Accelerator>(options, volt::ProgressBar{},
-                                                                               SampleGrid{args.out_dir});
+                                                                               SampleGrid{options.default_root_dir});
+  trainer.save_hyperparameters(hparams);
   trainer.fit(gan, loader);
   const auto metrics = trainer.callback_metric_values();
   const double d = metrics.at("d_loss"), g = metrics.at("g_loss");
@@ -130,35 +145,24 @@ int train(const Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  Args args;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--device" && i + 1 < argc) {
-      args.device = argv[++i];
-    } else if (a == "--epochs" && i + 1 < argc) {
-      args.epochs = std::stoll(argv[++i]);
-    } else if (a == "--limit-batches" && i + 1 < argc) {
-      args.limit_batches = std::stoll(argv[++i]);
-    } else if (a == "--data-dir" && i + 1 < argc) {
-      args.data_dir = argv[++i];
-    } else if (a == "--out" && i + 1 < argc) {
-      args.out_dir = argv[++i];
-    } else {
-      std::cerr << "usage: gan [--device auto|cpu|cuda] [--epochs N] [--limit-batches N] [--data-dir DIR] [--out DIR]\n";
-      return 2;
-    }
-  }
-  if (args.device != "auto" && args.device != "cpu" && args.device != "cuda") {
-    std::cerr << "gan: --device " << args.device << " is not one of auto, cpu, cuda\n";
-    return 2;
-  }
-  if (const auto missing = fashion_mnist::missing_file(args.data_dir); !missing.empty()) {
+  volt::TrainerOptions trainer{.max_epochs = 5, .seed = 42};
+  RunOptions run;
+  DataOptions data;
+  volt::Config config("gan", "Trains a GAN on Fashion-MNIST with manual optimization and writes its samples as PNGs.");
+  config.add("trainer", trainer).add("run", run).add("data", data);
+  if (!config.parse(argc, argv)) return 0;
+  if (const auto missing = fashion_mnist::missing_file(data.dir); !missing.empty()) {
     std::cerr << "gan: no Fashion-MNIST data: " << missing << " is missing. Install it with "
-              << "`apt-get install dataset-fashion-mnist` (Debian) or pass --data-dir FOLDER.\n";
+              << "`apt-get install dataset-fashion-mnist` (Debian) or pass --data.dir=FOLDER.\n";
     return 77;
   }
-  const bool cuda = args.device == "cuda" || (args.device == "auto" && volt::GPU::is_available());
-  return cuda ? train<volt::Bf16Mixed, volt::GPU>(args) : train<volt::Fp32, volt::CPU>(args);
+  switch (resolve(run.device)) {
+    case Device::cuda: return train<volt::Bf16Mixed, volt::GPU>(trainer, data, config.json());
+    default: return train<volt::Fp32, volt::CPU>(trainer, data, config.json());
+  }
+} catch (const volt::ConfigError& e) {
+  std::cerr << "gan: " << e.what() << "\n";
+  return 2;
 } catch (const std::exception& e) {
   std::cerr << "gan: " << e.what() << "\n";
   return 1;

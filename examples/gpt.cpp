@@ -4,37 +4,102 @@
 // checkpointing as an option, bfloat16 mixed precision on a GPU, a progress bar with tokens/s, validation loss,
 // TensorBoard, and at the end a sample of generated text.
 //
-//   gpt [--text DIR] [--layers N] [--width N] [--heads N] [--context N] [--batch N] [--accumulate N] [--steps N]
-//       [--lr X] [--warmup N] [--dropout X] [--checkpointing K] [--val-every N] [--val-batches N] [--sample N]
-//       [--device auto|cpu|cuda] [--strategy single|ddp|zero|fsdp] [--devices N] [--out DIR] [--seed N]
+//   gpt [--data.text=DIR] [--data.batch_size=N] [--model.layers=N] [--model.width=N] [--model.heads=N]
+//       [--model.context=N] [--model.dropout=X] [--model.checkpointing=K] [--model.lr=X] [--model.warmup=N]
+//       [--run.device=auto|cpu|cuda] [--run.strategy=single|ddp|zero|fsdp] [--run.sample=N] [--trainer.max_steps=N]
+//       [--trainer.accumulate_grad_batches=N] [--trainer.val_check_interval=N] [--trainer.limit_val_batches=N]
+//       [--trainer.devices=N] [--trainer.seed=N] [--trainer.default_root_dir=DIR] [--trainer.<option>=VALUE ...]
+//       [--config FILE] [--print_config] [--help]
 //
-// --text: a folder of .txt files (read in name order) or one file; default $VOLT_TEXT_DIR or ~/.cache/volt/shakespeare
-// (`bash scripts/install-text.sh` puts the plays there). --checkpointing K: every K-th block recomputes its
-// activations in backward (0: none, 1: all). --strategy ddp|zero|fsdp: DDP, ZeRO<2> or FSDP (each block a unit whose
-// parameters are gathered as it runs: gpt_model.hpp) over --devices processes (on the CPU the program starts its
-// copies itself, or runs as one rank of mpirun/srun; on GPUs one worker per GPU).
-// The defaults train a 4-layer, 128-wide model on the CPU in a few minutes. Exits with 77 when there is no text.
+// --data.text: a folder of .txt files (read in name order) or one file; default $VOLT_TEXT_DIR or
+// ~/.cache/volt/shakespeare (`bash scripts/install-text.sh` puts the plays there). --model.checkpointing=K: every K-th
+// block recomputes its activations in backward (0: none, 1: all). --run.strategy=ddp|zero|fsdp: DDP, ZeRO<2> or FSDP
+// (each block a unit whose parameters are gathered as it runs: gpt_model.hpp) over trainer.devices processes (on the
+// CPU the program starts its copies itself, or runs as one rank of mpirun/srun; on GPUs one worker per GPU).
+// trainer.max_steps is also the length of the warm-up and cosine schedule, and trainer.seed also seeds the shuffling
+// and the initial weights (null: 0 for those). The whole configuration is the run's hyper-parameters (TensorBoard's
+// HPARAMS tab and hparams.yaml).
+// The defaults train a 4-layer, 128-wide model on the CPU in a few minutes. Exits with 77 when there is no text, and
+// with 2 for an option it does not take.
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include "device.hpp"
 #include "gpt_data.hpp"
 #include "gpt_model.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
-struct Args {
-  std::string text, device = "auto", strategy = "single", out = ".";
-  int64_t layers = 4, width = 128, heads = 4, context = 64, batch = 32, accumulate = 1, steps = 600, warmup = 60;
-  int64_t checkpointing = 0, val_every = 200, val_batches = 20, sample = 400, devices = 2, seed = 1337;
-  double lr = 3e-3, dropout = 0.1;
-};
+/// The Trainer's strategy: one process, or data parallelism over trainer.devices processes.
+enum class Strategy { single, ddp, zero, fsdp };
 
+constexpr auto volt_enum_names(Strategy) {
+  using P = std::pair<Strategy, std::string_view>;
+  return std::array{P{Strategy::single, "single"}, P{Strategy::ddp, "ddp"}, P{Strategy::zero, "zero"},
+                    P{Strategy::fsdp, "fsdp"}};
+}
+
+/// Where and how the run goes.
+struct RunOptions {
+  Device device = Device::automatic;
+  Strategy strategy = Strategy::single;
+  int64_t sample = 400;
+};
+constexpr auto volt_fields(const RunOptions*) {
+  return volt::fields({{"device", "auto: the GPU in bfloat16 mixed precision where CUDA sees one, else the CPU"},
+                       {"strategy", "single: one process; ddp, zero (ZeRO<2>), fsdp: over trainer.devices processes"},
+                       {"sample", "characters of text generated after training"}});
+}
+
+/// The text.
+struct DataOptions {
+  std::string text;
+  int64_t batch_size = 32;
+};
+constexpr auto volt_fields(const DataOptions*) {
+  return volt::fields({{"text", "a folder of .txt files (read in name order) or one file"},
+                       {"batch_size", "windows of text per batch"}});
+}
+
+/// The model and its optimizer's recipe.
+struct ModelOptions {
+  int64_t layers = 4;
+  int64_t width = 128;
+  int64_t heads = 4;
+  int64_t context = 64;
+  double dropout = 0.1;
+  int64_t checkpointing = 0;
+  double lr = 3e-3;
+  int64_t warmup = 60;
+};
+constexpr auto volt_fields(const ModelOptions*) {
+  return volt::fields({{"layers", "transformer blocks"},
+                       {"width", "embedding width (a multiple of heads)"},
+                       {"heads", "attention heads per block"},
+                       {"context", "tokens per window: the longest sequence the model sees"},
+                       {"dropout", "dropout probability"},
+                       {"checkpointing", "every K-th block recomputes its activations in backward (0: none, 1: all)"},
+                       {"lr", "AdamW's peak learning rate"},
+                       {"warmup", "optimizer steps of linear warm-up before the cosine decay"}});
+}
+
+/// The configuration's sections as parsed, and the whole as JSON (the run's hyper-parameters).
+struct Setup {
+  const volt::TrainerOptions& trainer;
+  const RunOptions& run;
+  const DataOptions& data;
+  const ModelOptions& model;
+  volt::Json hparams;
+};
 
 /// `n` characters generated after `prompt`: each drawn from the softmax of the last position's logits at
 /// temperature 0.8, among the 20 likeliest.
@@ -62,45 +127,40 @@ std::string generate(gpt::GPT& net, const gpt::Vocabulary& v, const std::string&
 
 // ---- the run ------------------------------------------------------------------------------------------------------
 
-template <class Strategy, class Precision, class Accelerator>
-int train(const Args& args, const std::vector<std::string>& texts) {
+template <class S, class Precision, class Accelerator>
+int train(const Setup& s, const std::vector<std::string>& texts) {
+  const ModelOptions& m = s.model;
   const gpt::Vocabulary vocab(texts);
-  const auto [rows, lengths] = gpt::windows(texts, vocab, args.context);
+  const auto [rows, lengths] = gpt::windows(texts, vocab, m.context);
   // Every 10th window for validation, the rest for training (both spread over all the plays).
   const auto all = torch::arange(rows.size(0));
   const auto is_val = all.remainder(10) == 9;
   const auto train_idx = all.masked_select(~is_val), val_idx = all.masked_select(is_val);
+  const uint64_t seed = s.trainer.seed.value_or(0);
   volt::data::TensorLoader train(rows.index_select(0, train_idx), lengths.index_select(0, train_idx),
-                                 {.batch_size = args.batch, .shuffle = true, .seed = static_cast<uint64_t>(args.seed)});
+                                 {.batch_size = s.data.batch_size, .shuffle = true, .seed = seed});
   volt::data::TensorLoader val(rows.index_select(0, val_idx), lengths.index_select(0, val_idx),
-                               {.batch_size = args.batch});
-  gpt::Config config{.vocab = vocab.size(), .context = args.context, .layers = args.layers, .heads = args.heads,
-                     .width = args.width, .dropout = args.dropout,
-                     .checkpointing = {.every = static_cast<std::size_t>(args.checkpointing)}};
-  torch::manual_seed(static_cast<uint64_t>(args.seed));
-  gpt::LanguageModel model(config, gpt::Recipe{.lr = args.lr, .warmup = args.warmup, .steps = args.steps});
-  auto trainer = volt::make_trainer<Strategy, Precision, Accelerator>(
-      {.devices = Strategy::is_distributed ? static_cast<int>(args.devices) : 1, .max_steps = args.steps,
-       .limit_val_batches = volt::Limit(args.val_batches), .val_check_interval = volt::Limit(args.val_every),
-       .check_val_every_n_epoch = std::nullopt, .num_sanity_val_steps = 0,
-       .accumulate_grad_batches = args.accumulate, .seed = static_cast<uint64_t>(args.seed),
-       .log_every_n_steps = 10, .default_root_dir = args.out},
-      volt::ProgressBar{}, volt::LearningRateMonitor{},
-      volt::TensorBoardLogger({.hparams = {{"layers", static_cast<double>(args.layers)},
-                                           {"width", static_cast<double>(args.width)},
-                                           {"context", static_cast<double>(args.context)},
-                                           {"batch", static_cast<double>(args.batch)}, {"lr", args.lr},
-                                           {"checkpointing", static_cast<double>(args.checkpointing)}},
-                               .hparam_metrics = {"val_loss"}}));
+                               {.batch_size = s.data.batch_size});
+  gpt::Config config{.vocab = vocab.size(), .context = m.context, .layers = m.layers, .heads = m.heads,
+                     .width = m.width, .dropout = m.dropout,
+                     .checkpointing = {.every = static_cast<std::size_t>(m.checkpointing)}};
+  torch::manual_seed(seed);
+  gpt::LanguageModel model(config, gpt::Recipe{.lr = m.lr, .warmup = m.warmup, .steps = s.trainer.max_steps});
+  volt::TrainerOptions options = s.trainer;
+  if constexpr (!S::is_distributed) options.devices = 1;  // trainer.devices counts a distributed strategy's ranks
+  auto trainer = volt::make_trainer<S, Precision, Accelerator>(
+      options, volt::ProgressBar{}, volt::LearningRateMonitor{},
+      volt::TensorBoardLogger({.hparam_metrics = {"val_loss"}}));
+  trainer.save_hyperparameters(s.hparams);
   // The loss is weighed by tokens over each accumulation window, so its micro-batches' gradients wait on each rank
   // until the window's last (FSDP's default reduce-scatters each as it ends).
   if constexpr (requires { trainer.strategy().set_sync_every_micro_batch(false); }) {
-    if (args.accumulate > 1) trainer.strategy().set_sync_every_micro_batch(false);
+    if (options.accumulate_grad_batches > 1) trainer.strategy().set_sync_every_micro_batch(false);
   }
   if (trainer.is_global_zero()) {
-    std::cout << "text: " << texts.size() << " files, " << rows.size(0) << " windows of " << args.context
-              << " tokens, vocabulary " << vocab.size() << "; model: " << args.layers << " layers, width "
-              << args.width << ", " << model->net->parameters().size() << " tensors\n";
+    std::cout << "text: " << texts.size() << " files, " << rows.size(0) << " windows of " << m.context
+              << " tokens, vocabulary " << vocab.size() << "; model: " << m.layers << " layers, width " << m.width
+              << ", " << model->net->parameters().size() << " tensors\n";
   }
   const double before = trainer.validate(model, val).at("val_loss");
   const auto start = std::chrono::steady_clock::now();
@@ -112,100 +172,76 @@ int train(const Args& args, const std::vector<std::string>& texts) {
             << " -> " << metrics.at("val_loss") << "\n";
   std::cout << "tensorboard: " << trainer.template callback<volt::TensorBoardLogger>().event_file().string() << "\n";
   std::cout << "---- sample ----\n"
-            << generate(model->net, vocab, "ROMEO.\n", args.sample, model->net->wte->weight.device())
+            << generate(model->net, vocab, "ROMEO.\n", s.run.sample, model->net->wte->weight.device())
             << "\n---- end ----\n";
   return 0;
 }
 
-int usage() {
-  std::cerr << "usage: gpt [--text DIR] [--layers N] [--width N] [--heads N] [--context N] [--batch N] "
-               "[--accumulate N] [--steps N] [--lr X] [--warmup N] [--dropout X] [--checkpointing K] [--val-every N] "
-               "[--val-batches N] [--sample N] [--device auto|cpu|cuda] [--strategy single|ddp|zero|fsdp] "
-               "[--devices N] [--out DIR] [--seed N]\n";
-  return 2;
+template <class Precision, class Accelerator, class Backend>
+int with_strategy(const Setup& s, const std::vector<std::string>& texts) {
+  constexpr bool gpu = Accelerator::device_type == c10::DeviceType::CUDA;
+  const bool spawn = gpu && !volt::cluster::detect().launched_externally();
+  switch (s.run.strategy) {
+    case Strategy::ddp:
+      if (spawn) return train<volt::DDP<volt::Spawn, Backend>, Precision, Accelerator>(s, texts);
+      return train<volt::DDP<volt::Script, Backend>, Precision, Accelerator>(s, texts);
+    case Strategy::zero:
+      if (spawn) return train<volt::ZeRO<2, volt::Spawn, Backend>, Precision, Accelerator>(s, texts);
+      return train<volt::ZeRO<2, volt::Script, Backend>, Precision, Accelerator>(s, texts);
+    case Strategy::fsdp:
+      if (spawn) return train<volt::FSDP<volt::Spawn, Backend>, Precision, Accelerator>(s, texts);
+      return train<volt::FSDP<volt::Script, Backend>, Precision, Accelerator>(s, texts);
+    case Strategy::single: break;
+  }
+  return train<volt::SingleDevice, Precision, Accelerator>(s, texts);
 }
 
-template <class Precision, class Accelerator, class Backend>
-int with_strategy(const Args& args, const std::vector<std::string>& texts) {
-  constexpr bool gpu = Accelerator::device_type == c10::DeviceType::CUDA;
-  const bool external = volt::cluster::detect().launched_externally();
-  if (args.strategy == "ddp") {
-    if (gpu && !external) return train<volt::DDP<volt::Spawn, Backend>, Precision, Accelerator>(args, texts);
-    return train<volt::DDP<volt::Script, Backend>, Precision, Accelerator>(args, texts);
+// What the options' types alone do not bound: the model's shape and the schedule's length.
+void check(const volt::TrainerOptions& trainer, const ModelOptions& model) {
+  if (model.heads < 1 || model.width % model.heads != 0 || model.checkpointing < 0 || trainer.max_steps < 1) {
+    throw volt::ConfigError("model.width " + std::to_string(model.width) + ", model.heads " +
+                            std::to_string(model.heads) + ", model.checkpointing " +
+                            std::to_string(model.checkpointing) + ", trainer.max_steps " +
+                            std::to_string(trainer.max_steps) + ": the width must be a multiple of the heads (1 or "
+                            "more), checkpointing 0 or more, max_steps 1 or more");
   }
-  if (args.strategy == "zero") {
-    if (gpu && !external) return train<volt::ZeRO<2, volt::Spawn, Backend>, Precision, Accelerator>(args, texts);
-    return train<volt::ZeRO<2, volt::Script, Backend>, Precision, Accelerator>(args, texts);
-  }
-  if (args.strategy == "fsdp") {
-    if (gpu && !external) return train<volt::FSDP<volt::Spawn, Backend>, Precision, Accelerator>(args, texts);
-    return train<volt::FSDP<volt::Script, Backend>, Precision, Accelerator>(args, texts);
-  }
-  return train<volt::SingleDevice, Precision, Accelerator>(args, texts);
+}
+
+// $VOLT_TEXT_DIR, else ~/.cache/volt/shakespeare.
+std::string default_text() {
+  const char* home = std::getenv("HOME");
+  const char* text_env = std::getenv("VOLT_TEXT_DIR");
+  return text_env ? text_env : std::string(home ? home : ".") + "/.cache/volt/shakespeare";
 }
 
 int main(int argc, char** argv) try {
-  Args args;
-  const char* home = std::getenv("HOME");
-  const char* text_env = std::getenv("VOLT_TEXT_DIR");
-  args.text = text_env ? text_env : std::string(home ? home : ".") + "/.cache/volt/shakespeare";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) {
-      std::cerr << "gpt: " << a << " needs a value\n";
-      return usage();
-    }
-    const std::string v = argv[++i];
-    if (a == "--text") args.text = v;
-    else if (a == "--device") args.device = v;
-    else if (a == "--strategy") args.strategy = v;
-    else if (a == "--out") args.out = v;
-    else if (a == "--layers") args.layers = std::stoll(v);
-    else if (a == "--width") args.width = std::stoll(v);
-    else if (a == "--heads") args.heads = std::stoll(v);
-    else if (a == "--context") args.context = std::stoll(v);
-    else if (a == "--batch") args.batch = std::stoll(v);
-    else if (a == "--accumulate") args.accumulate = std::stoll(v);
-    else if (a == "--steps") args.steps = std::stoll(v);
-    else if (a == "--warmup") args.warmup = std::stoll(v);
-    else if (a == "--checkpointing") args.checkpointing = std::stoll(v);
-    else if (a == "--val-every") args.val_every = std::stoll(v);
-    else if (a == "--val-batches") args.val_batches = std::stoll(v);
-    else if (a == "--sample") args.sample = std::stoll(v);
-    else if (a == "--devices") args.devices = std::stoll(v);
-    else if (a == "--seed") args.seed = std::stoll(v);
-    else if (a == "--lr") args.lr = std::stod(v);
-    else if (a == "--dropout") args.dropout = std::stod(v);
-    else {
-      std::cerr << "gpt: unknown flag " << a << "\n";
-      return usage();
-    }
-  }
-  if (args.device != "auto" && args.device != "cpu" && args.device != "cuda") {
-    std::cerr << "gpt: --device " << args.device << " is not one of auto, cpu, cuda\n";
-    return 2;
-  }
-  if (args.strategy != "single" && args.strategy != "ddp" && args.strategy != "zero" && args.strategy != "fsdp") {
-    std::cerr << "gpt: --strategy " << args.strategy << " is not one of single, ddp, zero, fsdp\n";
-    return 2;
-  }
-  if (args.heads < 1 || args.width % args.heads != 0 || args.checkpointing < 0 || args.steps < 1) {
-    std::cerr << "gpt: --width " << args.width << ", --heads " << args.heads << ", --checkpointing "
-              << args.checkpointing << ", --steps " << args.steps << ": the width must be a multiple of the heads (1 "
-              << "or more), checkpointing 0 or more, steps 1 or more\n";
-    return 2;
-  }
-  const auto texts = gpt::read_texts(args.text);
+  volt::TrainerOptions trainer{.devices = 2, .max_steps = 600, .limit_val_batches = volt::Limit(20),
+                               .val_check_interval = volt::Limit(200), .check_val_every_n_epoch = std::nullopt,
+                               .num_sanity_val_steps = 0, .seed = 1337, .log_every_n_steps = 10};
+  RunOptions run;
+  DataOptions data{.text = default_text()};
+  ModelOptions model;
+  volt::Config config("gpt", "Trains a character-level GPT on a text (Shakespeare's plays) and samples from it.");
+  config.add("trainer", trainer).add("run", run).add("data", data).add("model", model);
+  if (!config.parse(argc, argv)) return 0;
+  check(trainer, model);
+  const auto texts = gpt::read_texts(data.text);
   if (texts.empty()) {
-    std::cerr << "gpt: no text at " << args.text << " (a .txt file or a folder of them); "
+    std::cerr << "gpt: no text at " << data.text << " (a .txt file or a folder of them); "
               << "`bash scripts/install-text.sh` puts Shakespeare's plays in ~/.cache/volt/shakespeare.\n";
     return 77;
   }
-  if (args.device == "cuda" || (args.device == "auto" && volt::GPU::is_available())) {
-    using Backend = std::conditional_t<VOLT_WITH_NCCL != 0, volt::Nccl, volt::Mpi>;
-    return with_strategy<volt::Bf16Mixed, volt::GPU, Backend>(args, texts);
+  const Setup setup{trainer, run, data, model, config.json()};
+  switch (resolve(run.device)) {
+    case Device::cuda: {
+      using Backend = std::conditional_t<VOLT_WITH_NCCL != 0, volt::Nccl, volt::Mpi>;
+      return with_strategy<volt::Bf16Mixed, volt::GPU, Backend>(setup, texts);
+    }
+    default: return with_strategy<volt::Fp32, volt::CPU, volt::Mpi>(setup, texts);
   }
-  return with_strategy<volt::Fp32, volt::CPU, volt::Mpi>(args, texts);
+} catch (const volt::ConfigError& e) {
+  std::cerr << "gpt: " << e.what() << "\n";
+  return 2;
 } catch (const std::exception& e) {
   std::cerr << "gpt: " << e.what() << "\n";
   return 1;

@@ -2,10 +2,13 @@
 // (root/<split>/<class>/<index>.png, as torchvision's ImageFolder reads), then the quick start's network trained
 // from those files with volt::data::ImageFolder and SampleLoader: each image is read and decoded (libpng) on a
 // loader worker, and augmented with a random flip and shift drawn from the generator volt hands each sample.
-//   image_folder [--workers N] [--epochs N] [--train-images N] [--folder DIR] [--out DIR]
+//   image_folder [--data.folder=DIR] [--data.train_images=N] [--data.workers=N] [--data.batch_size=N]
+//                [--trainer.max_epochs=N] [--trainer.default_root_dir=DIR] [--trainer.<option>=VALUE ...]
+//                [--config FILE] [--print_config] [--help]
 // The folder is written once (DIR/train, DIR/test; default: ./fashion_mnist_png) and reused. Before training, the
 // first test images decoded from the files are checked against the IDX files' pixels. Prints the epoch time and
-// the test accuracy. Exits with 77 when the Fashion-MNIST files are missing.
+// the test accuracy. Exits with 77 when the Fashion-MNIST files are missing, and with 2 for an option it does not
+// take.
 
 #include <torch/torch.h>
 #include <volt/data/image_folder.hpp>
@@ -15,6 +18,7 @@
 #include "png.hpp"
 #include "quickstart_net.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iomanip>
@@ -70,55 +74,63 @@ void check_decoding(const volt::data::ImageFolder& test) {
   std::cout << "decoded test images equal the IDX files' pixels (64 checked)\n";
 }
 
-}  // namespace
-
-int main(int argc, char** argv) try {
+/// The image files and how they are read.
+struct DataOptions {
+  std::string folder = "fashion_mnist_png";
+  int64_t train_images = 10000;
   int workers = 2;
-  int64_t epochs = 1, train_images = 10000;
-  fs::path folder = "fashion_mnist_png", out = ".";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--workers" && i + 1 < argc) {
-      workers = std::stoi(argv[++i]);
-    } else if (a == "--epochs" && i + 1 < argc) {
-      epochs = std::stoll(argv[++i]);
-    } else if (a == "--train-images" && i + 1 < argc) {
-      train_images = std::stoll(argv[++i]);
-    } else if (a == "--folder" && i + 1 < argc) {
-      folder = argv[++i];
-    } else if (a == "--out" && i + 1 < argc) {
-      out = argv[++i];
-    } else {
-      std::cerr << "usage: image_folder [--workers N] [--epochs N] [--train-images N] [--folder DIR] [--out DIR]\n";
-      return 2;
-    }
-  }
-  if (const std::string missing = fashion_mnist::missing_file(fashion_mnist::default_dir); !missing.empty()) {
-    std::cout << "no Fashion-MNIST files (" << missing << "): apt-get install dataset-fashion-mnist. Skipped.\n";
-    return 77;
-  }
-  write_split(folder / "train", true, train_images);
-  write_split(folder / "test", false, train_images / 5);
+  int64_t batch_size = 128;
+};
+constexpr auto volt_fields(const DataOptions*) {
+  return volt::fields({{"folder", "where the PNG files are written once (train/, test/) and read from"},
+                       {"train_images", "training images written as files (a fifth as many test images)"},
+                       {"workers", "loader workers reading and decoding the files"},
+                       {"batch_size", "training images per batch"}});
+}
 
+// Trains the quick start's network from the files: one SampleLoader per split, its workers decoding.
+int train(const volt::TrainerOptions& options, const DataOptions& data, const volt::Json& hparams) {
+  const fs::path folder = data.folder;
   volt::data::ImageFolder train_images_set((folder / "train").string(), {.channels = 1}, augment);
   volt::data::ImageFolder test_images_set((folder / "test").string(), {.channels = 1}, normalise);
   check_decoding(volt::data::ImageFolder((folder / "test").string(), {.channels = 1}, normalise));
   std::cout << train_images_set.size() << " training images in " << train_images_set.classes().size()
-            << " classes, read by " << workers << " worker(s)\n";
-  volt::data::SampleLoader train(std::move(train_images_set),
-                                 {.batch_size = 128, .shuffle = true, .seed = 42, .num_workers = workers});
-  volt::data::SampleLoader test(std::move(test_images_set), {.batch_size = 256, .num_workers = workers});
+            << " classes, read by " << data.workers << " worker(s)\n";
+  volt::data::SampleLoader train(std::move(train_images_set), {.batch_size = data.batch_size, .shuffle = true,
+                                                               .seed = 42, .num_workers = data.workers});
+  volt::data::SampleLoader test(std::move(test_images_set), {.batch_size = 256, .num_workers = data.workers});
 
+  const int64_t epochs = std::max<int64_t>(1, options.max_epochs.value_or(1));
   Net net(epochs);
-  auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
-      {.max_epochs = epochs, .seed = 42, .log_every_n_steps = 20, .default_root_dir = out.string()},
-      volt::ProgressBar{}, volt::CSVLogger{});
+  auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(options, volt::ProgressBar{},
+                                                                               volt::CSVLogger{});
+  trainer.save_hyperparameters(hparams);
   const auto start = std::chrono::steady_clock::now();
   trainer.fit(net, train, test);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::cout << "training took " << seconds << " s (" << seconds / static_cast<double>(epochs) << " s an epoch)\n";
   std::cout << "test accuracy: " << trainer.test(net, test).at("test_acc") * 100.0 << "%\n";
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  volt::TrainerOptions trainer{.max_epochs = 1, .seed = 42, .log_every_n_steps = 20};
+  DataOptions data;
+  volt::Config config("image_folder", "Trains the quick start's CNN from Fashion-MNIST written as PNG files.");
+  config.add("trainer", trainer).add("data", data);
+  if (!config.parse(argc, argv)) return 0;
+  if (const std::string missing = fashion_mnist::missing_file(fashion_mnist::default_dir); !missing.empty()) {
+    std::cout << "no Fashion-MNIST files (" << missing << "): apt-get install dataset-fashion-mnist. Skipped.\n";
+    return 77;
+  }
+  write_split(fs::path(data.folder) / "train", true, data.train_images);
+  write_split(fs::path(data.folder) / "test", false, data.train_images / 5);
+  return train(trainer, data, config.json());
+} catch (const volt::ConfigError& e) {
+  std::cerr << "error: " << e.what() << "\n";
+  return 2;
 } catch (const std::exception& e) {
   std::cerr << "error: " << e.what() << "\n";
   return 1;

@@ -3,17 +3,23 @@
 // configure_model do. Here a tower of residual blocks, each block a unit (gathered as it runs, freed after), is sharded
 // and the head is replicated; the input layer, in no part, is replicated too.
 //
-//   ./model_parallel                      (starts a second rank itself: the tower sharded over both ranks)
-//   mpirun -np 4 ./model_parallel --hybrid  (a 2x2 mesh: the tower sharded along "shard", replicated along "replicate")
+//   model_parallel [--run.mesh=flat|hybrid] [--config FILE] [--print_config] [--help]
+//   ./model_parallel                                   (starts a second rank itself: the tower sharded over both ranks)
+//   mpirun -np 4 ./model_parallel --run.mesh=hybrid    (a 2x2 mesh: the tower sharded along "shard", replicated
+//                                                       along "replicate")
 //
 // At the end every rank holds the whole model again; rank 0 compares it with one process training the whole model on
-// the global batches.
+// the global batches. The Trainer's options are fixed (not configurable): that loop repeats them. Exits with 2 for an
+// option it does not take.
 
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 
+#include <array>
 #include <iostream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -59,6 +65,22 @@ struct TowerNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(TowerNet);
 
+/// The process mesh: one axis of 2 ranks, or 2x2 (sharded along one axis, replicated along the other).
+enum class Mesh { flat, hybrid };
+
+constexpr auto volt_enum_names(Mesh) {
+  using P = std::pair<Mesh, std::string_view>;
+  return std::array{P{Mesh::flat, "flat"}, P{Mesh::hybrid, "hybrid"}};
+}
+
+/// How the run goes.
+struct RunOptions {
+  Mesh mesh = Mesh::flat;
+};
+constexpr auto volt_fields(const RunOptions*) {
+  return volt::fields({{"mesh", "flat: the tower sharded over 2 ranks; hybrid: a 2x2 mesh of 4 ranks (under mpirun)"}});
+}
+
 torch::Tensor flat(torch::nn::Module& m) {
   std::vector<torch::Tensor> v;
   for (const auto& p : m.parameters()) v.push_back(p.detach().flatten().cpu());
@@ -67,9 +89,14 @@ torch::Tensor flat(torch::nn::Module& m) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
+  RunOptions run;
+  volt::Config config("model_parallel",
+                      "Trains a tower of blocks in parts (ModelParallel) and checks it against one process.");
+  config.add("run", run);
+  if (!config.parse(argc, argv)) return 0;
   at::set_num_threads(1);
-  const bool hybrid = argc > 1 && std::string(argv[1]) == "--hybrid";
+  const bool hybrid = run.mesh == Mesh::hybrid;
   const int world = hybrid ? 4 : 2;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   const torch::Tensor x = torch::randn({kSamples, 16}, gen);
@@ -103,4 +130,7 @@ int main(int argc, char** argv) {
             << ", the head replicated): max |weights - one process| = " << diff << (ok ? "  match" : "  MISMATCH")
             << std::endl;
   return ok ? 0 : 1;
+} catch (const volt::ConfigError& e) {
+  std::cerr << "model_parallel: " << e.what() << "\n";
+  return 2;
 }

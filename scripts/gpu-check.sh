@@ -71,7 +71,7 @@ bench_rc=0
 "$build/bench/graph" > "$log/bench_graph.jsonl" 2> "$log/bench_graph.err" || bench_rc=1
 "$build/bench/graph" --workload cnn --cudnn-benchmark --channels-last >> "$log/bench_graph.jsonl" 2>> "$log/bench_graph.err" || bench_rc=1
 quick_rc=0
-"$build/examples/quickstart" --device cuda --data-dir "$data" --out "$build/quickstart_gpu" > "$log/quickstart.txt" 2>&1 || quick_rc=$?
+"$build/examples/quickstart" --run.device=cuda --data.dir="$data" --trainer.default_root_dir="$build/quickstart_gpu" > "$log/quickstart.txt" 2>&1 || quick_rc=$?
 
 echo
 echo "================ volt GPU check ================"
@@ -90,7 +90,7 @@ sed 's/^/  /' "$log/bench_optim.jsonl"
 echo "graph (median steps/s of hand-written and volt loops, eager, fused and graphed; the ratios the goals name; the CNN again with cuDNN's autotuner and channels-last):"
 sed 's/^/  /' "$log/bench_graph.jsonl"
 [ $bench_rc = 0 ] || { echo "  FAILED:"; tail -5 "$log/bench_trainer_vs_raw.err" "$log/bench_optim.err" "$log/bench_graph.err"; }
-echo "quick start --device cuda:"
+echo "quick start --run.device=cuda:"
 if [ $quick_rc = 77 ]; then echo "  skipped: no Fashion-MNIST in $data (pass --data-dir)"; else
   grep -E "^device|training took|test accuracy" "$log/quickstart.txt" | sed 's/^/  /'
   [ $quick_rc = 0 ] || { echo "  FAILED (exit $quick_rc):"; tail -5 "$log/quickstart.txt"; }

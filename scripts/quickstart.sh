@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds the quick-start example and trains it on Fashion-MNIST.
+# Arguments go to the program: `bash scripts/quickstart.sh --trainer.max_epochs=1` (`--help` lists them all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh

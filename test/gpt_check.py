@@ -1,7 +1,8 @@
 """Checks a short run of the GPT example (examples/gpt.cpp): its validation loss fell (printed before and after
 training), it printed a sample of generated text, and its TensorBoard file, read with Python's tensorboard, holds the
 training and validation losses, the training loss lower at the end than at the start.
-Usage: gpt_check.py <the example's output> <its --out folder>. Prints "gpt ok", or "MISMATCH: ..." and exits 1."""
+Usage: gpt_check.py <the example's output> <its trainer.default_root_dir>. Prints "gpt ok", or "MISMATCH: ..." and
+exits 1."""
 import glob
 import re
 import sys

@@ -4,7 +4,7 @@
 // checkpointing as an option, bfloat16 mixed precision on a GPU, a progress bar with tokens/s, validation loss,
 // TensorBoard, and at the end a sample of generated text.
 //
-//   gpt [--data.text=DIR] [--data.batch_size=N] [--model.layers=N] [--model.width=N] [--model.heads=N]
+//   gpt [--data.text=DIR | --data.tokens=FILE [--data.val_tokens=FILE]] [--data.batch_size=N] [--model.vocab=N] [--model.layers=N] [--model.width=N] [--model.heads=N]
 //       [--model.context=N] [--model.dropout=X] [--model.checkpointing=K] [--model.lr=X] [--model.warmup=N]
 //       [--run.device=auto|cpu|cuda] [--run.strategy=single|ddp|zero|fsdp] [--run.sample=N] [--trainer.max_steps=N]
 //       [--trainer.accumulate_grad_batches=N] [--trainer.val_check_interval=N] [--trainer.limit_val_batches=N]
@@ -12,7 +12,11 @@
 //       [--config FILE] [--print_config] [--help]
 //
 // --data.text: a folder of .txt files (read in name order) or one file; default $VOLT_TEXT_DIR or
-// ~/.cache/volt/shakespeare (`bash scripts/install-text.sh` puts the plays there). --model.checkpointing=K: every K-th
+// ~/.cache/volt/shakespeare (`bash scripts/install-text.sh` puts the plays there). --data.tokens: train on a token file
+// instead (nanoGPT's train.bin of uint16 ids, or a .npy), from windows drawn at random as nanoGPT draws them (one
+// per data.batch_size row, trainer.max_steps batches), validating on --data.val_tokens (nanoGPT's val.bin; none: the
+// training file's own windows in order); the vocabulary is model.vocab ids (0: the highest id in the files, plus one),
+// and the sample printed is ids. --model.checkpointing=K: every K-th
 // block recomputes its activations in backward (0: none, 1: all). --run.strategy=ddp|zero|fsdp: DDP, ZeRO<2> or FSDP
 // (each block a unit whose parameters are gathered as it runs: gpt_model.hpp) over trainer.devices processes (on the
 // CPU the program starts its copies itself, or runs as one rank of mpirun/srun; on GPUs one worker per GPU).
@@ -34,6 +38,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -60,18 +65,23 @@ constexpr auto volt_fields(const RunOptions*) {
                        {"sample", "characters of text generated after training"}});
 }
 
-/// The text.
+/// The text, or token files.
 struct DataOptions {
   std::string text;
+  std::string tokens;
+  std::string val_tokens;
   int64_t batch_size = 32;
 };
 constexpr auto volt_fields(const DataOptions*) {
   return volt::fields({{"text", "a folder of .txt files (read in name order) or one file"},
-                       {"batch_size", "windows of text per batch"}});
+                       {"tokens", "a token file to train on instead of text (nanoGPT's .bin of uint16 ids, or .npy)"},
+                       {"val_tokens", "the token file to validate on (empty: the training file's windows in order)"},
+                       {"batch_size", "windows per batch"}});
 }
 
 /// The model and its optimizer's recipe.
 struct ModelOptions {
+  int64_t vocab = 0;
   int64_t layers = 4;
   int64_t width = 128;
   int64_t heads = 4;
@@ -82,7 +92,8 @@ struct ModelOptions {
   int64_t warmup = 60;
 };
 constexpr auto volt_fields(const ModelOptions*) {
-  return volt::fields({{"layers", "transformer blocks"},
+  return volt::fields({{"vocab", "token files: ids the model knows (0: the highest id in the files, plus one)"},
+                       {"layers", "transformer blocks"},
                        {"width", "embedding width (a multiple of heads)"},
                        {"heads", "attention heads per block"},
                        {"context", "tokens per window: the longest sequence the model sees"},
@@ -101,50 +112,69 @@ struct Setup {
   volt::Json hparams;
 };
 
-/// `n` characters generated after `prompt`: each drawn from the softmax of the last position's logits at
-/// temperature 0.8, among the 20 likeliest.
-std::string generate(gpt::GPT& net, const gpt::Vocabulary& v, const std::string& prompt, int64_t n,
-                     torch::Device device) {
+/// `n` ids generated after `ids`: each drawn from the softmax of the last position's logits at temperature 0.8, among
+/// the 20 likeliest.
+std::vector<int64_t> generate(gpt::GPT& net, std::vector<int64_t> ids, int64_t n, torch::Device device) {
   torch::NoGradGuard no_grad;
   net->eval();
-  std::vector<int64_t> ids;
-  for (char c : prompt) ids.push_back(v.ids.count(c) ? v.ids.at(c) : 0);
-  std::string out = prompt;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
   for (int64_t i = 0; i < n; ++i) {
     const auto from = static_cast<int64_t>(ids.size()) > net->config.context
                           ? ids.end() - net->config.context : ids.begin();
     auto x = torch::tensor(std::vector<int64_t>(from, ids.end())).unsqueeze(0).to(device);
     auto logits = net->forward(x).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat32) / 0.8;
-    auto [top, where] = logits.topk(std::min<int64_t>(20, v.size()));
+    auto [top, where] = logits.topk(std::min<int64_t>(20, logits.size(0)));
     const auto pick = torch::multinomial(torch::softmax(top, -1), 1, false, gen).item<int64_t>();
     ids.push_back(where[pick].item<int64_t>());
-    out += v.chars[static_cast<std::size_t>(ids.back())];
   }
   net->train();
-  return out;
+  return ids;
+}
+
+/// What the model learns from: the texts' characters, or a token file's ids.
+struct Corpus {
+  std::vector<std::string> texts;
+  std::optional<gpt::Vocabulary> chars;
+  std::optional<volt::data::TokenFile> tokens, val_tokens;
+  int64_t vocab = 0;
+
+  /// A sample of `n` tokens after a prompt, as text (characters) or as ids.
+  std::string sample(gpt::GPT& net, int64_t n) const {
+    const torch::Device device = net->wte->weight.device();
+    if (!chars) {
+      std::string out;
+      for (int64_t id : generate(net, {0}, n, device)) out += std::to_string(id) + " ";
+      return out;
+    }
+    std::vector<int64_t> prompt;
+    for (char c : std::string("ROMEO.\n")) prompt.push_back(chars->ids.count(c) ? chars->ids.at(c) : 0);
+    std::string out;
+    for (int64_t id : generate(net, prompt, n, device)) out += chars->chars[static_cast<std::size_t>(id)];
+    return out;
+  }
+};
+
+/// The highest id in `file`, plus one.
+int64_t vocabulary_of(const volt::data::TokenFile& file) {
+  int64_t highest = 0;
+  std::vector<int64_t> chunk(1 << 20);
+  for (int64_t at = 0; at < file.size(); at += static_cast<int64_t>(chunk.size())) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(chunk.size()), file.size() - at);
+    file.read(at, n, chunk.data());
+    highest = std::max(highest, *std::max_element(chunk.begin(), chunk.begin() + n));
+  }
+  return highest + 1;
 }
 
 // ---- the run ------------------------------------------------------------------------------------------------------
 
-template <class S, class Precision, class Accelerator>
-int train(const Setup& s, const std::vector<std::string>& texts) {
+template <class S, class Precision, class Accelerator, class TrainLoader, class ValLoader>
+int fit(const Setup& s, const Corpus& corpus, TrainLoader& train, ValLoader& val, const std::string& described) {
   const ModelOptions& m = s.model;
-  const gpt::Vocabulary vocab(texts);
-  const auto [rows, lengths] = gpt::windows(texts, vocab, m.context);
-  // Every 10th window for validation, the rest for training (both spread over all the plays).
-  const auto all = torch::arange(rows.size(0));
-  const auto is_val = all.remainder(10) == 9;
-  const auto train_idx = all.masked_select(~is_val), val_idx = all.masked_select(is_val);
-  const uint64_t seed = s.trainer.seed.value_or(0);
-  volt::data::TensorLoader train(rows.index_select(0, train_idx), lengths.index_select(0, train_idx),
-                                 {.batch_size = s.data.batch_size, .shuffle = true, .seed = seed});
-  volt::data::TensorLoader val(rows.index_select(0, val_idx), lengths.index_select(0, val_idx),
-                               {.batch_size = s.data.batch_size});
-  gpt::Config config{.vocab = vocab.size(), .context = m.context, .layers = m.layers, .heads = m.heads,
+  gpt::Config config{.vocab = corpus.vocab, .context = m.context, .layers = m.layers, .heads = m.heads,
                      .width = m.width, .dropout = m.dropout,
                      .checkpointing = {.every = static_cast<std::size_t>(m.checkpointing)}};
-  torch::manual_seed(seed);
+  torch::manual_seed(s.trainer.seed.value_or(0));
   gpt::LanguageModel model(config, gpt::Recipe{.lr = m.lr, .warmup = m.warmup, .steps = s.trainer.max_steps});
   volt::TrainerOptions options = s.trainer;
   if constexpr (!S::is_distributed) options.devices = 1;  // trainer.devices counts a distributed strategy's ranks
@@ -158,9 +188,8 @@ int train(const Setup& s, const std::vector<std::string>& texts) {
     if (options.accumulate_grad_batches > 1) trainer.strategy().set_sync_every_micro_batch(false);
   }
   if (trainer.is_global_zero()) {
-    std::cout << "text: " << texts.size() << " files, " << rows.size(0) << " windows of " << m.context
-              << " tokens, vocabulary " << vocab.size() << "; model: " << m.layers << " layers, width " << m.width
-              << ", " << model->net->parameters().size() << " tensors\n";
+    std::cout << described << " of " << m.context << " tokens, vocabulary " << corpus.vocab << "; model: " << m.layers
+              << " layers, width " << m.width << ", " << model->net->parameters().size() << " tensors\n";
   }
   const double before = trainer.validate(model, val).at("val_loss");
   const auto start = std::chrono::steady_clock::now();
@@ -171,29 +200,54 @@ int train(const Setup& s, const std::vector<std::string>& texts) {
   std::cout << "trained " << trainer.global_step() << " steps in " << seconds << " s; validation loss " << before
             << " -> " << metrics.at("val_loss") << "\n";
   std::cout << "tensorboard: " << trainer.template callback<volt::TensorBoardLogger>().event_file().string() << "\n";
-  std::cout << "---- sample ----\n"
-            << generate(model->net, vocab, "ROMEO.\n", s.run.sample, model->net->wte->weight.device())
-            << "\n---- end ----\n";
+  std::cout << "---- sample ----\n" << corpus.sample(model->net, s.run.sample) << "\n---- end ----\n";
   return 0;
 }
 
+template <class S, class Precision, class Accelerator>
+int train(const Setup& s, const Corpus& corpus) {
+  const ModelOptions& m = s.model;
+  const uint64_t seed = s.trainer.seed.value_or(0);
+  if (corpus.tokens) {  // nanoGPT's batches: random windows, max_steps batches' worth an epoch
+    using volt::data::TokenLoader;
+    TokenLoader train(*corpus.tokens, {.block_size = m.context, .windows = volt::data::Windows::random,
+                                       .windows_per_epoch = s.trainer.max_steps * s.data.batch_size,
+                                       .loader = {.batch_size = s.data.batch_size, .seed = seed}});
+    TokenLoader val(corpus.val_tokens ? *corpus.val_tokens : *corpus.tokens,
+                    {.block_size = m.context, .loader = {.batch_size = s.data.batch_size}});
+    return fit<S, Precision, Accelerator>(s, corpus, train, val, "tokens: " + corpus.tokens->path().string() + ", " +
+                                          std::to_string(corpus.tokens->size()) + " ids; windows");
+  }
+  const auto [rows, lengths] = gpt::windows(corpus.texts, *corpus.chars, m.context);
+  // Every 10th window for validation, the rest for training (both spread over all the plays).
+  const auto all = torch::arange(rows.size(0));
+  const auto is_val = all.remainder(10) == 9;
+  const auto train_idx = all.masked_select(~is_val), val_idx = all.masked_select(is_val);
+  volt::data::TensorLoader train(rows.index_select(0, train_idx), lengths.index_select(0, train_idx),
+                                 {.batch_size = s.data.batch_size, .shuffle = true, .seed = seed});
+  volt::data::TensorLoader val(rows.index_select(0, val_idx), lengths.index_select(0, val_idx),
+                               {.batch_size = s.data.batch_size});
+  return fit<S, Precision, Accelerator>(s, corpus, train, val, "text: " + std::to_string(corpus.texts.size()) +
+                                        " files, " + std::to_string(rows.size(0)) + " windows");
+}
+
 template <class Precision, class Accelerator, class Backend>
-int with_strategy(const Setup& s, const std::vector<std::string>& texts) {
+int with_strategy(const Setup& s, const Corpus& corpus) {
   constexpr bool gpu = Accelerator::device_type == c10::DeviceType::CUDA;
   const bool spawn = gpu && !volt::cluster::detect().launched_externally();
   switch (s.run.strategy) {
     case Strategy::ddp:
-      if (spawn) return train<volt::DDP<volt::Spawn, Backend>, Precision, Accelerator>(s, texts);
-      return train<volt::DDP<volt::Script, Backend>, Precision, Accelerator>(s, texts);
+      if (spawn) return train<volt::DDP<volt::Spawn, Backend>, Precision, Accelerator>(s, corpus);
+      return train<volt::DDP<volt::Script, Backend>, Precision, Accelerator>(s, corpus);
     case Strategy::zero:
-      if (spawn) return train<volt::ZeRO<2, volt::Spawn, Backend>, Precision, Accelerator>(s, texts);
-      return train<volt::ZeRO<2, volt::Script, Backend>, Precision, Accelerator>(s, texts);
+      if (spawn) return train<volt::ZeRO<2, volt::Spawn, Backend>, Precision, Accelerator>(s, corpus);
+      return train<volt::ZeRO<2, volt::Script, Backend>, Precision, Accelerator>(s, corpus);
     case Strategy::fsdp:
-      if (spawn) return train<volt::FSDP<volt::Spawn, Backend>, Precision, Accelerator>(s, texts);
-      return train<volt::FSDP<volt::Script, Backend>, Precision, Accelerator>(s, texts);
+      if (spawn) return train<volt::FSDP<volt::Spawn, Backend>, Precision, Accelerator>(s, corpus);
+      return train<volt::FSDP<volt::Script, Backend>, Precision, Accelerator>(s, corpus);
     case Strategy::single: break;
   }
-  return train<volt::SingleDevice, Precision, Accelerator>(s, texts);
+  return train<volt::SingleDevice, Precision, Accelerator>(s, corpus);
 }
 
 // What the options' types alone do not bound: the model's shape and the schedule's length.
@@ -225,19 +279,30 @@ int main(int argc, char** argv) try {
   config.add("trainer", trainer).add("run", run).add("data", data).add("model", model);
   if (!config.parse(argc, argv)) return 0;
   check(trainer, model);
-  const auto texts = gpt::read_texts(data.text);
-  if (texts.empty()) {
-    std::cerr << "gpt: no text at " << data.text << " (a .txt file or a folder of them); "
-              << "`bash scripts/install-text.sh` puts Shakespeare's plays in ~/.cache/volt/shakespeare.\n";
-    return 77;
+  Corpus corpus;
+  if (!data.tokens.empty()) {
+    corpus.tokens.emplace(data.tokens);
+    if (!data.val_tokens.empty()) corpus.val_tokens.emplace(data.val_tokens);
+    corpus.vocab = model.vocab > 0 ? model.vocab
+                                  : std::max(vocabulary_of(*corpus.tokens),
+                                             corpus.val_tokens ? vocabulary_of(*corpus.val_tokens) : int64_t{0});
+  } else {
+    corpus.texts = gpt::read_texts(data.text);
+    if (corpus.texts.empty()) {
+      std::cerr << "gpt: no text at " << data.text << " (a .txt file or a folder of them); "
+                << "`bash scripts/install-text.sh` puts Shakespeare's plays in ~/.cache/volt/shakespeare.\n";
+      return 77;
+    }
+    corpus.chars.emplace(corpus.texts);
+    corpus.vocab = corpus.chars->size();
   }
   const Setup setup{trainer, run, data, model, config.json()};
   switch (resolve(run.device)) {
     case Device::cuda: {
       using Backend = std::conditional_t<VOLT_WITH_NCCL != 0, volt::Nccl, volt::Mpi>;
-      return with_strategy<volt::Bf16Mixed, volt::GPU, Backend>(setup, texts);
+      return with_strategy<volt::Bf16Mixed, volt::GPU, Backend>(setup, corpus);
     }
-    default: return with_strategy<volt::Fp32, volt::CPU, volt::Mpi>(setup, texts);
+    default: return with_strategy<volt::Fp32, volt::CPU, volt::Mpi>(setup, corpus);
   }
 } catch (const volt::ConfigError& e) {
   std::cerr << "gpt: " << e.what() << "\n";

@@ -147,8 +147,16 @@ struct LanguageModelImpl : torch::nn::Module {
 
   LanguageModelImpl(const Config& c, Recipe r) : recipe(r) { net = register_module("net", GPT(c)); }
 
-  /// Next-token cross-entropy over the real tokens of a batch (rows of tokens, each row's count): its sum and count.
+  /// Next-token cross-entropy over the real tokens of a batch (rows of tokens, each row's count; or a token file's
+  /// windows and their next tokens, volt::data::TokenLoader's batches, every token real): its sum and count.
   std::pair<torch::Tensor, torch::Tensor> loss_terms(const torch::data::Example<>& b) {
+    if (b.target.dim() == 2) {
+      auto logits = net->forward(b.data);
+      auto sum = torch::nn::functional::cross_entropy(
+          logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32), b.target.reshape({-1}),
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+      return {sum, torch::scalar_tensor(static_cast<double>(b.target.numel()), sum.options())};
+    }
     auto logits = net->forward(b.data.slice(1, 0, -1));
     const int64_t t = b.data.size(1) - 1;
     auto mask = torch::arange(t, b.target.options()).unsqueeze(0) < b.target.unsqueeze(1);

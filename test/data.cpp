@@ -571,3 +571,161 @@ TEST_CASE("SIGTERM while the workers read slowly: the fit saves and stops after 
   // (one 0.1 s sample each); the rest of the run would take about 5 s.
   CHECK(seconds < 1.5);
 }
+
+// ---- token files ------------------------------------------------------------------------------------------
+
+namespace {
+/// Writes `bytes` to `path`.
+fs::path write_bytes(const fs::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+/// A `.npy` file of format 1 with this header dictionary and these data bytes, padded as NumPy pads.
+std::string npy(const std::string& dict, const std::string& data) {
+  std::string header = dict;
+  while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+  header += '\n';
+  std::string out = "\x93NUMPY";
+  out += '\x01';
+  out += '\x00';
+  out += static_cast<char>(header.size() & 0xff);
+  out += static_cast<char>(header.size() >> 8);
+  return out + header + data;
+}
+/// The resident memory of this process, in bytes (/proc/self/statm).
+int64_t resident_bytes() {
+  long long pages = 0, resident = 0;
+  std::ifstream("/proc/self/statm") >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+/// Every window of one pass as int64 ids, x then y, row by row.
+void write_windows(volt::data::TokenLoader& loader, std::ofstream& out) {
+  for (const auto& b : loader) {
+    for (int64_t r = 0; r < b.data.size(0); ++r) {
+      out.write(reinterpret_cast<const char*>(b.data[r].data_ptr<int64_t>()), b.data.size(1) * 8);
+      out.write(reinterpret_cast<const char*>(b.target[r].data_ptr<int64_t>()), b.target.size(1) * 8);
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("token files: windows as nanoGPT cuts them, a position that resumes exactly, disjoint ranks",
+          "[loader][data]") {
+  const fs::path dir = vt::scratch("tokens");
+  std::vector<uint16_t> ids(1000);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint16_t>((i * 7919) % 65521);
+  const fs::path bin = write_bytes(dir / "train.bin", std::string(reinterpret_cast<const char*>(ids.data()), 2000));
+  using volt::data::TokenLoader;
+  using volt::data::Windows;
+  const volt::data::TokenFile file(bin);
+  REQUIRE(file.size() == 1000);
+  SECTION("a window is the file's tokens, y one further (known answer)") {
+    TokenLoader tiled(file, {.block_size = 8, .loader = {.batch_size = 3}});
+    CHECK(tiled.size() == 42);  // (1000 - 1) / 8 = 124 windows, in batches of 3
+    auto it = tiled.begin();
+    const auto& b = *it;
+    for (int64_t r = 0; r < 3; ++r) {
+      for (int64_t t = 0; t < 8; ++t) {
+        CHECK(b.data[r][t].item<int64_t>() == ids[r * 8 + t]);
+        CHECK(b.target[r][t].item<int64_t>() == ids[r * 8 + t + 1]);
+      }
+    }
+  }
+  SECTION("a state taken mid-epoch resumes with the batches the uninterrupted pass reads next") {
+    for (const Windows w : {Windows::tiled, Windows::random}) {
+      const TokenLoader::Options o{.block_size = 8, .windows = w, .windows_per_epoch = 60,
+                                   .loader = {.batch_size = 4, .shuffle = true, .seed = 5}};
+      TokenLoader whole(file, o), first(file, o);
+      whole.set_epoch(1);
+      first.set_epoch(1);
+      std::vector<torch::Tensor> expected;
+      for (const auto& b : whole) expected.push_back(torch::cat({b.data, b.target}, 1));
+      int64_t k = 0;
+      for (const auto& b : first) {
+        (void)b;
+        if (++k == 6) break;
+      }
+      TokenLoader resumed(file, o);
+      resumed.load_state_dict(first.state_dict());
+      resumed.set_epoch(1);
+      std::size_t i = 6;
+      for (const auto& b : resumed) {
+        REQUIRE(i < expected.size());
+        CHECK(torch::equal(torch::cat({b.data, b.target}, 1), expected[i++]));
+      }
+      CHECK(i == expected.size());
+    }
+  }
+  SECTION("bad files and options are refused with one line") {
+    const auto refused = [](const fs::path& p) {
+      try {
+        volt::data::TokenFile f(p);
+      } catch (const std::invalid_argument& e) {
+        return std::string(e.what());
+      }
+      return std::string("accepted");
+    };
+    const std::string two = std::string("\x01\x00\x02\x00", 4);
+    CHECK(refused(dir / "none.bin") ==
+          "volt: token file " + (dir / "none.bin").string() + ": cannot open it: No such file or directory");
+    const fs::path odd = write_bytes(dir / "odd.bin", "abc");
+    CHECK(refused(odd) == "volt: token file " + odd.string() + ": 3 bytes is not a whole number of uint16 ids (2 bytes "
+                          "each); give its type (nanoGPT's .bin files hold uint16)");
+    const fs::path big_endian = write_bytes(dir / "be.npy", npy("{'descr': '>u2', 'fortran_order': False, 'shape': (2,), }", two));
+    CHECK(refused(big_endian) == "volt: token file " + big_endian.string() + ": its ids are '>u2'; token files hold "
+                                 "'|u1', '<u2', '<i4', '<u4' or '<i8' (little-endian integers)");
+    const fs::path matrix = write_bytes(dir / "m.npy", npy("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 2), }", two));
+    CHECK(refused(matrix) == "volt: token file " + matrix.string() + ": its shape is (1, 2); a token file is one flat "
+                             "array, shape (N,)");
+    const fs::path short_data = write_bytes(dir / "s.npy", npy("{'descr': '<u2', 'fortran_order': False, 'shape': (3,), }", two));
+    CHECK(refused(short_data) == "volt: token file " + short_data.string() + ": its header says 3 ids (6 bytes), and 4 "
+                                 "bytes follow it");
+    const fs::path text = write_bytes(dir / "t.npy", "hello, world");
+    CHECK(refused(text) == "volt: token file " + text.string() + ": not a .npy file (no \\x93NUMPY magic)");
+    CHECK_THROWS_WITH(TokenLoader(volt::data::TokenFile(write_bytes(dir / "tiny.bin", two)), {.block_size = 2}),
+                      "volt: TokenLoader over " + (dir / "tiny.bin").string() + ": it holds 2 tokens, fewer than one "
+                      "window of block_size + 1 = 3.");
+    CHECK_THROWS_WITH(TokenLoader(file, {.block_size = 0}),
+                      "volt: TokenLoader over " + bin.string() + ": block_size=0 is not allowed: give a number >= 1.");
+  }
+  SECTION("a file is mapped, not read: 1 GiB of ids costs the pages its windows touch") {
+    const fs::path huge = dir / "huge.bin";
+    { std::ofstream(huge, std::ios::binary).put('\0'); }
+    fs::resize_file(huge, int64_t{1} << 30);  // sparse: no disk, and reads as zeros
+    const int64_t before = resident_bytes();
+    TokenLoader loader(volt::data::TokenFile(huge), {.block_size = 1024, .windows = Windows::random,
+                                                     .windows_per_epoch = 64, .loader = {.batch_size = 8}});
+    int64_t read = 0;
+    for (const auto& b : loader) read += b.data.numel() + b.target.numel();
+    const int64_t grown = resident_bytes() - before;
+    INFO("resident memory grew by " << grown / 1024 << " KiB reading " << read << " ids of a 1 GiB file");
+    CHECK(read == 64 * 2 * 1024);
+    CHECK(grown < (int64_t{32} << 20));  // the windows' pages (64 x 2 KiB, in 4 KiB pages) and the batches
+    fs::remove(huge);
+  }
+}
+
+TEST_CASE("token files of every type, written by NumPy, read as NumPy reads them", "[.tokens_export]") {
+  const char* env = std::getenv("VOLT_TOKENS_DIR");
+  REQUIRE(env != nullptr);
+  const fs::path dir = env;  // test/tokens_check.py wrote the files and compares what is written here
+  using volt::data::TokenLoader;
+  for (const std::string name : {"u16.bin", "u8.npy", "u16.npy", "i32.npy", "u32.npy", "i64.npy"}) {
+    const volt::data::TokenFile file(dir / name);
+    for (const auto w : {volt::data::Windows::tiled, volt::data::Windows::random}) {
+      TokenLoader loader(file, {.block_size = 16, .windows = w, .windows_per_epoch = 40,
+                                .loader = {.batch_size = 4, .shuffle = true, .seed = 9, .num_workers = 2}});
+      std::ofstream out(dir / (name + (w == volt::data::Windows::tiled ? ".tiled.i64" : ".random.i64")), std::ios::binary);
+      for (int64_t epoch = 0; epoch < 2; ++epoch) {
+        loader.set_epoch(epoch);
+        write_windows(loader, out);
+      }
+    }
+    const TokenLoader whole(file, {.block_size = 16, .loader = {.batch_size = 4, .shuffle = true, .drop_last = true}});
+    for (int rank = 0; rank < 2; ++rank) {
+      auto shard = whole.shard(rank, 2);
+      std::ofstream out(dir / (name + ".rank" + std::to_string(rank) + ".i64"), std::ios::binary);
+      write_windows(shard, out);
+    }
+  }
+}

@@ -78,8 +78,7 @@ struct StepValues {
   void on_fit_end(T&, M&) {
     for (const auto& l : kept) loss.push_back(l.template item<double>());
   }
-  template <class T>
-  void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t) {
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t) {
     if (metrics.count("loss_step")) logged.push_back(metrics.at("loss_step"));
   }
 };

@@ -30,8 +30,7 @@ struct Events {
 /// What loggers receive: the step and the names (without "epoch").
 struct LogSteps {
   std::vector<std::pair<int64_t, std::string>> rows;
-  template <class T>
-  void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t step) {
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
     for (const auto& [k, v] : metrics) {
       if (k != "epoch") rows.emplace_back(step, k);
     }
@@ -41,8 +40,7 @@ struct LogSteps {
 /// The learning rates loggers receive, with their steps.
 struct Rates {
   std::vector<std::pair<int64_t, double>> seen;
-  template <class T>
-  void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t step) {
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
     if (metrics.count("lr-SGD")) seen.emplace_back(step, metrics.at("lr-SGD"));
   }
 };

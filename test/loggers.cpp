@@ -10,6 +10,9 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
 #include <map>
 #include <thread>
 #include <algorithm>
@@ -22,7 +25,7 @@ namespace {
 /// What loggers receive, every (tag, step, value), in order.
 struct LogRecorder {
   std::vector<std::tuple<std::string, int64_t, double>> rows;
-  void on_log_metrics(auto&, const std::map<std::string, double>& metrics, int64_t step) {
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
     for (const auto& [k, v] : metrics) rows.emplace_back(k, step, v);
   }
 };
@@ -140,6 +143,91 @@ TEST_CASE("Loggers of one Trainer share a version folder; each new run takes the
 }
 
 namespace {
+/// Every call of a logger's own hooks, in order, with the hyper-parameters it was given.
+struct HookLog {
+  static constexpr bool is_logger = true;
+  std::vector<std::string> calls;
+  std::vector<volt::Json> params;
+  void log_hyperparams(const volt::Json& p) {
+    calls.push_back("log_hyperparams");
+    params.push_back(p);
+  }
+  void log_metrics(const std::map<std::string, double>&, int64_t) { calls.push_back("log_metrics"); }
+  void flush() { calls.push_back("flush"); }
+  void finalize(volt::RunStatus s) { calls.push_back(std::string("finalize ") + volt::to_string(s)); }
+};
+/// A regressor whose training step fails (or raises SIGTERM) at one batch.
+struct FailsAt : vt::RegressorImpl {
+  int64_t at = -1;
+  bool sigterm = false;
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    if (ctx.batch_idx() == at && sigterm) std::raise(SIGTERM);
+    if (ctx.batch_idx() == at && !sigterm) throw std::runtime_error("batch 1 fails");
+    return vt::RegressorImpl::training_step(b, ctx);
+  }
+};
+}  // namespace
+
+TEST_CASE("a logger hears each run's hyper-parameters first, every logging event, and how the run ended last",
+          "[callbacks]") {
+  const auto dir = vt::scratch("logger_hooks");
+  auto [x, y] = vt::regression_data(32);
+  auto loader = make_loader(x, y, 8);
+  const volt::Json given = volt::Json::parse(R"({"run": {"lr": 0.1, "name": "a"}})");
+  auto trainer = [&](const std::string& name) {
+    auto t = volt::make_trainer({.max_epochs = 2, .log_every_n_steps = 1, .default_root_dir = (dir / name).string(),
+                                 .signals = {.exit_process = false}},
+                                HookLog{}, volt::CSVLogger{});
+    t.save_hyperparameters(given);
+    return t;
+  };
+  const auto between = [](const std::vector<std::string>& calls, const std::string& what) {
+    return std::count(calls.begin(), calls.end(), what);
+  };
+  SECTION("a fit, then a test: each a run of its own") {
+    FailsAt m;
+    auto t = trainer("ok");
+    t.fit(m, loader);
+    auto calls = t.callback<HookLog>().calls;
+    REQUIRE(calls.size() >= 4);
+    CHECK(calls.front() == "log_hyperparams");
+    CHECK(t.callback<HookLog>().params.at(0) == given);
+    CHECK(calls[calls.size() - 2] == "flush");
+    CHECK(calls.back() == "finalize success");
+    CHECK(between(calls, "finalize success") == 1);
+    // As many logging events as rows the CSV logger beside it wrote (its header aside).
+    std::ifstream csv(t.callback<volt::CSVLogger>().metrics_file());
+    const auto rows = std::count(std::istreambuf_iterator<char>(csv), std::istreambuf_iterator<char>(), '\n') - 1;
+    CHECK(between(calls, "log_metrics") == rows);
+    CHECK(rows == 2 * 4);  // 4 batches an epoch, each logged (train_loss on the step only)
+    t.test(m, loader);
+    calls = t.callback<HookLog>().calls;
+    CHECK(between(calls, "log_hyperparams") == 2);
+    CHECK(between(calls, "finalize success") == 2);
+    CHECK(calls.back() == "finalize success");
+  }
+  SECTION("a failing fit ends failed, after a last flush") {
+    FailsAt m;
+    m.at = 1;
+    auto t = trainer("failed");
+    CHECK_THROWS_WITH(t.fit(m, loader), Contains("batch 1 fails"));
+    const auto& calls = t.callback<HookLog>().calls;
+    REQUIRE(calls.size() >= 3);
+    CHECK(calls[calls.size() - 2] == "flush");
+    CHECK(calls.back() == "finalize failed");
+    CHECK(between(calls, "finalize failed") == 1);
+  }
+  SECTION("a fit stopped by SIGTERM ends interrupted") {
+    FailsAt m;
+    m.at = 1;
+    m.sigterm = true;
+    auto t = trainer("stopped");
+    CHECK_THROWS_AS(t.fit(m, loader), volt::Interrupted);
+    CHECK(t.callback<HookLog>().calls.back() == "finalize interrupted");
+  }
+}
+
+namespace {
 /// Parameters counted by hand below: enc 4*8+8 + 8*8+8 = 112, head 8*3+3 = 27 (frozen, in eval mode), bn 8+8 = 16
 /// (its running statistics are buffers, not parameters), scale 5 (on the model itself: in the totals, in no row).
 struct Summarized : torch::nn::Module {
@@ -253,7 +341,7 @@ struct Stopwatch {
   void on_validation_end(auto& t, auto&) {
     if (!t.sanity_checking()) validations.back().second = now();
   }
-  void on_log_metrics(auto&, const std::map<std::string, double>& metrics, int64_t step) {
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
     if (metrics.count("train/batches")) logged.emplace_back(step, metrics);
   }
   /// Seconds of training between two batch ends: the wall time less the validations in between.
@@ -308,7 +396,7 @@ namespace {
 struct Reader {
   std::vector<std::map<std::string, double>> logged;
   std::vector<double> rss_mb, cpu_s;
-  void on_log_metrics(auto&, const std::map<std::string, double>& metrics, int64_t) {
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t) {
     if (!metrics.count("device_stats/cpu_rss_mb")) return;
     logged.push_back(metrics);
     // Read independently right after: resident pages from /proc/self/statm, CPU time from std::clock.

@@ -389,8 +389,7 @@ namespace {
 /// Counts the rows loggers receive with a training step's value.
 struct RowCounter {
   int rows = 0;
-  template <class T>
-  void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t) {
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t) {
     rows += static_cast<int>(metrics.count("c_loss"));
   }
 };

@@ -140,6 +140,7 @@ volt_resume_test(resume.sigkill ${resume_exe} sigkill ${resume_dir}/sigkill 3)
 volt_resume_test(resume.sigkill_manual ${resume_exe} sigkill ${resume_dir}/sigkill_manual 3 manual)
 volt_resume_test(resume.sigkill_workers ${resume_exe} sigkill ${resume_dir}/sigkill_workers 3 workers)
 volt_resume_test(resume.sigkill_async ${resume_exe} sigkill ${resume_dir}/sigkill_async 4 async)
+volt_resume_test(resume.sigkill_tokens ${resume_exe} sigkill ${resume_dir}/sigkill_tokens 3 tokens)
 volt_resume_test(resume.kill_mid_write ${resume_exe} kill-mid-write ${resume_dir}/kill_mid_write 8)
 volt_resume_test(resume.ddp_exact CORES ${resume_exe} ddp-exact ${resume_dir}/ddp_exact -- ${volt_mpirun})
 volt_resume_test(resume.fsdp_exact CORES ${resume_exe} fsdp-exact ${resume_dir}/fsdp_exact -- ${volt_mpirun})
@@ -206,6 +207,12 @@ volt_torch_python_test(hparams.python
 if(VOLT_TOOLS_PYTHON)
   set_tests_properties(hparams.python PROPERTIES PASS_REGULAR_EXPRESSION "hparams ok: hparams.yaml")
 endif()
+# Token files (test/tokens_check.py): NumPy writes a nanoGPT .bin and .npy files of five types, volt's TokenLoader reads
+# them (tiled and random windows, two epochs, two ranks), and every window is checked against NumPy's slice of the file.
+volt_torch_python_test(data.tokens_numpy
+                       "rm -rf '${resume_dir}/tokens' && '${volt_torch_python}' '${CMAKE_CURRENT_SOURCE_DIR}/tokens_check.py' write '${resume_dir}/tokens' && VOLT_TOKENS_DIR='${resume_dir}/tokens' '$<TARGET_FILE:volt_tests>' '[.tokens_export]'"
+                       tokens_check.py "compare '${resume_dir}/tokens'")
+set_tests_properties(data.tokens_numpy PROPERTIES PASS_REGULAR_EXPRESSION "tokens ok")
 # The transformer recipe (AdamW with two parameter groups, warm-up then cosine, stepped per optimizer step) trained by
 # volt and by PyTorch from the same weights and batches (test/recipe_check.py): the same rates and weights.
 volt_torch_python_test(optim.recipe_vs_torch

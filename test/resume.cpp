@@ -1,11 +1,12 @@
 // Resuming in new processes. Each driver mode starts real processes (this program again, or mpirun) and
 // checks their results against a reference run:
-//   resume sigkill <dir> [rounds] [manual|workers|async]
+//   resume sigkill <dir> [rounds] [manual|workers|async|tokens]
 //                                             a run killed with SIGKILL at a random step and resumed from its
 //                                             last checkpoint ends bit-identical to an uninterrupted run (manual:
 //                                             a module with manual optimization, two optimizers; workers: the
 //                                             killed and resumed runs read with 3 loader workers, the
-//                                             uninterrupted one without)
+//                                             uninterrupted one without; tokens: nanoGPT's random windows of a
+//                                             token file, drawn again alike after the resume)
 //   resume kill-mid-write <dir> [rounds]      a writer killed at random moments always leaves a whole file
 //   resume ddp-exact <dir> -- <mpirun...>     2 DDP ranks saved mid-epoch and resumed on 2: bit-identical
 //   resume fsdp-exact <dir> -- <mpirun...>    the same under FSDP (inside a window: within 1e-6)
@@ -127,6 +128,22 @@ volt::data::TensorLoader tiny_data(bool shuffle = true, int workers = 0) {
   return volt::data::TensorLoader(x, y, {.batch_size = 8, .shuffle = shuffle, .seed = 3, .num_workers = workers});
 }
 
+/// Tiny over windows of a token file: 6 ids in (scaled), the id after them out.
+struct TokenTinyImpl : TinyImpl {
+  torch::Tensor training_step(const torch::data::Example<>& b, volt::Context& ctx) {
+    return TinyImpl::training_step({b.data.to(torch::kFloat32) / 500, b.target.slice(1, 5).to(torch::kFloat32) / 500},
+                                   ctx);
+  }
+};
+TORCH_MODULE(TokenTiny);
+
+/// nanoGPT's random windows of 6 tokens from `file`, 96 an epoch: the generator of each window is (seed, epoch, window).
+volt::data::TokenLoader token_data(const std::string& file, int workers = 0) {
+  return volt::data::TokenLoader(volt::data::TokenFile(file),
+                                 {.block_size = 6, .windows = volt::data::Windows::random, .windows_per_epoch = 96,
+                                  .loader = {.batch_size = 8, .seed = 3, .num_workers = workers}});
+}
+
 /// Prints "step N" after each optimizer step (after the checkpoint callback has written it).
 struct StepPrinter {
   int64_t last = -1;
@@ -143,7 +160,8 @@ struct StepPrinter {
 // after every step; --workers: the loader reads with 3 worker threads; --async: ModelCheckpoint's asynchronous saves,
 // of the latest step's file (the previous one deleted once the new one is in place) and last.ckpt.
 template <class Model>
-int train(const std::string& dir, const std::string& out, bool resume, int workers, bool async = false) {
+int train(const std::string& dir, const std::string& out, bool resume, int workers, bool async = false,
+          const std::string& tokens = "") {
   torch::manual_seed(1);  // LibTorch seeds its generator differently in every process: the same initial weights
   Model model;
   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
@@ -151,12 +169,27 @@ int train(const std::string& dir, const std::string& out, bool resume, int worke
       volt::ModelCheckpoint({.dirpath = dir, .save_top_k = async ? 1 : 0, .save_last = true,
                              .every_n_train_steps = 1, .async_save = async}),
       StepPrinter{});
-  trainer.fit(model, tiny_data(true, workers), volt::NoLoader{}, resume ? "last" : "");
+  if (tokens.empty()) {
+    trainer.fit(model, tiny_data(true, workers), volt::NoLoader{}, resume ? "last" : "");
+  } else {
+    trainer.fit(model, token_data(tokens, workers), volt::NoLoader{}, resume ? "last" : "");
+  }
   trainer.save_checkpoint(out, /*weights_only=*/true);
   return 0;
 }
 
-// resume sigkill <dir> [rounds] [manual|workers|async]: `manual` trains ManualTiny (72 optimizer steps) instead of Tiny
+/// nanoGPT's kind of file: 3000 uint16 ids below 1000, from a fixed generator.
+void write_tokens(const std::string& path) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::mt19937 rng(5);
+  std::vector<uint16_t> ids(3000);
+  for (auto& id : ids) id = static_cast<uint16_t>(std::uniform_int_distribution<int>(0, 999)(rng));
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(ids.data()),
+                                               static_cast<std::streamsize>(ids.size() * sizeof(uint16_t)));
+}
+
+// resume sigkill <dir> [rounds] [manual|workers|async|tokens]: `tokens` trains on nanoGPT's random windows of a token
+// file (volt::data::TokenLoader), so the resumed run must draw the windows the uninterrupted one drew; `manual` trains ManualTiny (72 optimizer steps) instead of Tiny
 // (48); `workers` kills and resumes runs whose loader has 3 workers, against a reference without; `async` kills runs
 // that save asynchronously (the kill lands in a write on the writer's thread as often as not): every checkpoint left
 // in the folder reads, last.ckpt among them, and the resume from it ends bit-identical to a synchronous reference.
@@ -165,8 +198,11 @@ int sigkill(const std::string& dir, int rounds, const std::string& variant) {
   const std::string ref = dir + "/reference.ckpt";
   const bool manual = variant == "manual";
   const std::vector<std::string> model = manual ? std::vector<std::string>{"--manual"} : std::vector<std::string>{};
+  const std::string tokens = dir + "/tokens.bin";
+  if (variant == "tokens") write_tokens(tokens);
   auto train_cmd = [&](std::vector<std::string> cmd) {
     cmd.insert(cmd.end(), model.begin(), model.end());
+    if (variant == "tokens") cmd.insert(cmd.end(), {"--tokens", tokens});
     if (variant == "workers" && cmd[2] != dir + "/ref_run") cmd.push_back("--workers");
     if (variant == "async" && cmd[2] != dir + "/ref_run") cmd.push_back("--async");
     return cmd;
@@ -1260,12 +1296,14 @@ const Mode kModes[] = {
      }},
     {"export", 2, "<dir>", [](const std::vector<std::string>& a, int, char**) { return export_for_python(a[2]); }},
     // workers
-    {"train", 3, "<dir> <out> [--resume] [--manual] [--workers] [--async]", [](const std::vector<std::string>& a, int,
+    {"train", 3, "<dir> <out> [--resume] [--manual] [--workers] [--async] [--tokens FILE]", [](const std::vector<std::string>& a, int,
                                                                                   char**) {
        const bool resume = std::find(a.begin() + 4, a.end(), "--resume") != a.end();
        const int workers = std::find(a.begin() + 4, a.end(), "--workers") != a.end() ? 3 : 0;
        const bool async = std::find(a.begin() + 4, a.end(), "--async") != a.end();
        if (std::find(a.begin() + 4, a.end(), "--manual") != a.end()) return train<ManualTiny>(a[2], a[3], resume, workers);
+       const auto tokens = std::find(a.begin() + 4, a.end(), "--tokens");
+       if (tokens != a.end() && tokens + 1 != a.end()) return train<TokenTiny>(a[2], a[3], resume, workers, false, tokens[1]);
        return train<Tiny>(a[2], a[3], resume, workers, async);
      }},
     {"writer", 2, "<path>", [](const std::vector<std::string>& a, int, char**) { return writer(a[2]); }},

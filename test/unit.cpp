@@ -748,6 +748,11 @@ TEST_CASE("a misspelt key, a wrong type, an unknown flag and a refused value eac
   CHECK(parse_error({"--max_steps=5"}) ==
         "volt: --max_steps=5: unknown option \"max_steps\"; did you mean \"trainer.max_steps\"? (--help lists every "
         "option)");
+  CHECK(parse_error({"--epochs=5"}) ==  // a whole word of one option's name
+        "volt: --epochs=5: unknown option \"epochs\"; did you mean \"trainer.max_epochs\"? (--help lists every "
+        "option)");
+  CHECK(parsed({"--trainer.fast_dev_run"}).fast_dev_run == 1);  // a bare flag, as Lightning's fast_dev_run=True
+  CHECK(parsed({"--trainer.fast_dev_run=3"}).fast_dev_run == 3);
   CHECK(parse_error({"--model.width=5"}) ==
         "volt: --model.width=5: unknown option \"model.width\" (--help lists every option)");
   CHECK(parse_error({"--trainer.signals=off"}) ==

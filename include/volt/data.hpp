@@ -6,3 +6,4 @@
 #include "volt/data/sample_loader.hpp"
 #include "volt/data/stateful.hpp"
 #include "volt/data/tensor_loader.hpp"
+#include "volt/data/token_file.hpp"

@@ -25,7 +25,7 @@ namespace volt {
 struct LogOptions {
   /// Show in the progress bar.
   bool prog_bar = false;
-  /// Send to loggers (CSVLogger and any callback with `on_log_metrics`).
+  /// Send to loggers (volt/loggers/concept.hpp).
   bool logger = true;
   /// Keep the value of every step. Default: true in training steps and batch hooks, false elsewhere.
   std::optional<bool> on_step;

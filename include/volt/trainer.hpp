@@ -27,6 +27,7 @@
 #include "volt/detail/fit_transfer.hpp"
 #include "volt/detail/torch_compat.hpp"
 #include "volt/errors.hpp"
+#include "volt/loggers/concept.hpp"
 #include "volt/loops/automatic_step.hpp"
 #include "volt/loops/batches.hpp"
 #include "volt/loops/evaluation.hpp"
@@ -63,6 +64,7 @@ class Trainer {
   // Phase (a): each slot holds its kind, then the rules between slots, each said alone (volt/rules.hpp).
   using checked_ = detail::CheckedSlots<S, P, A>;
   static_assert((Callback<Callbacks> && ...), "volt: every callback must be a movable object type.");
+  static_assert((detail::check_logger<Callbacks>() && ...));  // a logger's hooks take what volt passes (loggers/concept.hpp)
 
  public:
   /// The strategy as it runs on this accelerator (DDP<Spawn> with its backend resolved).
@@ -279,13 +281,12 @@ class Trainer {
   void enter_batch(const B& batch, int64_t batch_idx);
   void leave_batch();
   template <class Impl, class Body, class Cleanup>
-  decltype(auto) guarded(Impl& module, Body&& body, Cleanup&& cleanup);
+  void guarded(Impl& module, Body&& body, Cleanup&& cleanup);
   template <class B, class F>
   auto run_eval_step(B& batch, F&& step);
   template <class H, class Impl, class... Args>
   decltype(auto) hook(Impl& module, Context& ctx, Args&&... args);
-  // A function, not a constant: its body is a complete-class context, so callbacks may use the Trainer's members.
-  static constexpr bool has_loggers() { return (detail::LoggerCallback<Callbacks, Trainer> || ... || false); }
+  static constexpr bool has_loggers() { return (Logger<Callbacks> || ... || false); }
   void send_to_loggers(detail::MetricMap& metrics);
   void flush_loggers();
 
@@ -377,8 +378,7 @@ class Trainer {
   checkpoint::AsyncWriter writer_;  ///< asynchronous saves
   std::optional<data::LoaderState> final_loader_state_;  ///< the training loader's position when the last fit ended
   bool fitting_ = false;  ///< a fit is running
-  /// The checkpoint the running (or last) fit resumed from ("" when none).
-  std::string ckpt_path_;
+  std::string ckpt_path_;  ///< the checkpoint the running (or last) fit resumed from ("" when none)
   detail::HyperParameters hparams_;  ///< given by save_hyperparameters, and with the module's in the running run
 };
 

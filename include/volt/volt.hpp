@@ -9,6 +9,7 @@
 #include "volt/context.hpp"
 #include "volt/data.hpp"
 #include "volt/launchers.hpp"
+#include "volt/loggers.hpp"
 #include "volt/module.hpp"
 #include "volt/optim.hpp"
 #include "volt/options.hpp"

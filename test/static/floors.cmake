@@ -18,7 +18,7 @@ set(floors
   "module comm data precision optim accelerators activation_checkpoint"  # 3  policies' rooms, each alone
   "launchers"                                               # 4  starting processes (over comm)
   "strategies callbacks"                                    # 5  strategies (over launchers), callbacks
-  "loops"                                                   # 6  what the Trainer's loops are made of
+  "loops loggers"                                           # 6  what the Trainer's loops are made of; loggers (callbacks of a kind of their own)
   "connectors"                                              # 7  checkpoints and loggers as the Trainer writes them
   "rules"                                                   # 8  the rules between the slots
   "trainer"                                                 # 9  the Trainer and its out-of-class parts

@@ -25,7 +25,6 @@
 /// | `on_after_backward` | | |
 /// | `on_exception` | `std::exception_ptr` | a run is ending with an exception (it is rethrown) |
 /// | `on_save_checkpoint` | `volt::checkpoint::Dict& checkpoint` | a checkpoint of the running (or last) fit is about to be written, on rank zero, its callback states already in it; also for weights-only ones (unlike Lightning), which hold only `state_dict`. EMAWeightAveraging puts its average there |
-/// | `on_log_metrics` | `(trainer, const std::map<std::string, double>&, int64_t step)`: no module | metrics for loggers |
 ///
 /// State in checkpoints (optional too): `state_dict() const` returning `std::map<std::string, double>` or a
 /// `checkpoint::Dict`, and `load_state_dict(...)` taking the same; saved under `state_key()` when the callback
@@ -73,9 +72,8 @@
 /// module's own, or a callback's unless the callback declares `static constexpr bool keeps_loss = false` (it reads the
 /// loss, if at all, during the hook: ProgressBar and ModelCheckpoint do).
 ///
-/// **Loggers** are callbacks with `on_log_metrics`. One that buffers gives itself `void flush()`: the Trainer
-/// calls it at the end of each training epoch, after each validation or test run, on a stop signal, when a run
-/// fails and when a fit ends, so that a killed run loses nothing written before those points.
+/// **Loggers** are callbacks with hooks of their own (`log_metrics`, `log_hyperparams`, `flush`, `finalize`), checked at
+/// compile time: volt/loggers/concept.hpp.
 ///
 /// Writing your own:
 /// \code
@@ -122,12 +120,6 @@ inline constexpr bool keeps_loss = [] {
 }();
 
 namespace detail {
-/// A callback that receives metrics for writing (on_log_metrics): a logger.
-template <class C, class T>
-concept LoggerCallback = requires(C& cb, T& trainer, const std::map<std::string, double>& metrics) {
-  cb.on_log_metrics(trainer, metrics, int64_t{});
-};
-
 /// Calls `f(c)` on every callback `c` of the pack, in pack order: the one walk over a Trainer's callbacks (hooks,
 /// loggers, checkpoint state, the questions below).
 template <class Tuple, class F>

@@ -40,6 +40,9 @@ namespace volt {
 struct FieldDoc {
   std::string_view name;
   std::string_view doc;
+  /// What a flag without a value means for an option that is not a bool (`fast_dev_run`'s "1", as Lightning's
+  /// `fast_dev_run=True`); empty: such a flag is refused. A bool's bare flag is always true.
+  std::string_view bare = {};
 };
 
 /// A configurable struct's table: `volt::fields({{"width", "..."}, {"lr", "..."}})`.
@@ -145,11 +148,20 @@ struct Source {
 };
 
 /// The option most like `key` among `keys`: one whose last part is the same (`max_epochs` for
-/// `trainer.max_epochs`), else the nearest in edits when at most a third of its letters differ; empty when none is.
+/// `trainer.max_epochs`), else one whose last part has it as a whole word (`trainer.max_epochs` for `epochs`), else
+/// the nearest in edits when at most a third of its letters differ; empty when none is.
 inline std::string suggest(const std::string& key, const std::vector<std::string>& keys) {
   const auto last = [](const std::string& k) { return k.substr(k.rfind('.') + 1); };
   for (const std::string& k : keys) {
     if (last(k) == last(key)) return k;
+  }
+  const std::string word = last(key);
+  for (const std::string& k : keys) {  // `word` bounded by the name's ends or underscores
+    const std::string name = last(k);
+    for (auto at = name.find(word); !word.empty() && at != std::string::npos; at = name.find(word, at + 1)) {
+      const std::size_t end = at + word.size();
+      if ((at == 0 || name[at - 1] == '_') && (end == name.size() || name[end] == '_')) return k;
+    }
   }
   const auto distance = [](const std::string& a, const std::string& b) {
     std::vector<std::size_t> row(b.size() + 1);
@@ -279,18 +291,23 @@ bool set(T& object, std::string_view key, const std::string& full_key, const std
     } else {
       if (dot != std::string_view::npos) return;
       found = true;
+      std::string bare_text;
+      const std::string* given = text;
       if (from.bare) {
         if constexpr (std::is_same_v<F, bool> || std::is_same_v<F, std::optional<bool>>) {
           field = true;
           return;
+        } else if (!doc.bare.empty()) {
+          bare_text = std::string(doc.bare);
+          given = &bare_text;
         } else {
           throw ConfigError("volt: " + from.where + ": " + full_key + " needs a value (--" + full_key +
                             "=<value>): it takes " + Value<F>::allowed() + ".");
         }
       }
-      std::optional<F> v = json != nullptr ? Value<F>::from_json(*json) : Value<F>::from_text(*text);
+      std::optional<F> v = json != nullptr ? Value<F>::from_json(*json) : Value<F>::from_text(*given);
       if (!v) {
-        const std::string got = json != nullptr ? shown(*json) + " (" + kind_of(*json) + ")" : "\"" + *text + "\"";
+        const std::string got = json != nullptr ? shown(*json) + " (" + kind_of(*json) + ")" : "\"" + *given + "\"";
         throw ConfigError("volt: " + from.where + ": " + full_key + " takes " + Value<F>::allowed() + "; got " + got +
                           ".");
       }

@@ -136,6 +136,7 @@ std::map<std::string, double> Trainer<S, P, A, Cs...>::run_standalone_eval(Impl&
   Context ctx(state_, eval_store_);
   guarded(module, [&] {
     hook<detail::hooks::setup>(module, ctx, stage);
+    detail::log_hyperparams(callbacks_, strategy_.is_global_zero(), hparams_.effective);
     load_for_evaluation(module, ckpt_path, to_string(stage));  // after setup, as Lightning restores
     run_eval_loop<Kind>(module, processed, stage,
                         detail::limit_of(test ? options_.limit_test_batches : options_.limit_val_batches,
@@ -172,6 +173,7 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, boo
   guarded(module, [&] {
     detail::EvalGradGuard no_grad(options_.inference_mode);
     hook<detail::hooks::setup>(module, ctx, Stage::predict);
+    detail::log_hyperparams(callbacks_, strategy_.is_global_zero(), hparams_.effective);
     load_for_evaluation(module, ckpt_path, "predict");
     const auto limit = [n](auto&) { return n; };
     eval_epoch<detail::PredictKind>(module, ctx, processed, limit, Stage::predict, [&](R& out) -> R& {

@@ -81,6 +81,7 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     const std::string resume_from = ckpt_path.empty() ? std::string() : resolve_ckpt_path(ckpt_path, "fit");
     ckpt_path_ = resume_from;
     hook<detail::hooks::setup>(module, ctx, Stage::train);
+    detail::log_hyperparams(callbacks_, strategy_.is_global_zero(), hparams_.effective);
     optim_ = detail::scheduled_optimizers(module.configure_optimizers());
     hook<detail::hooks::on_optimizers_configured>(module, ctx);  // parameter groups may be added (BackboneFinetuning)
     for (auto& o : optim_) strategy_.setup_optimizer(o.optimizer());  // ZeRO: this rank's pieces
@@ -103,10 +104,9 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
 
     writer_.wait();  // the fit's last asynchronous save is in place before teardown
     hook<detail::hooks::teardown>(module, ctx, Stage::train);
-    flush_loggers();
     strategy_.finish_fit();
     strategy_.teardown();
-  }, [&](std::exception_ptr error) {  // a failure, or a stop signal after its checkpoint: loggers keep their rows
+  }, [&](std::exception_ptr error) {  // a failure, or a stop signal after its checkpoint (guarded flushes the loggers)
     try {
       std::rethrow_exception(error);
     } catch (const Interrupted& stop) {  // said after on_exception, so a progress bar has ended its line
@@ -115,7 +115,6 @@ void Trainer<S, P, A, Cs...>::run_fit(Impl& module, TL& train, VL* val, const st
     }
     try {
       writer_.wait();  // a save in flight completes (its previous file stays whole either way)
-      flush_loggers();
     } catch (...) {  // the run's own error says more
     }
     strategy_.teardown();

@@ -165,25 +165,33 @@ void Trainer<S, P, A, Cs...>::enter_batch(const B& batch, int64_t batch_idx) {
 }
 /// Runs the body of a run (fit, validate, test, predict); when it throws (a failure, or a stop signal after its
 /// checkpoint), every callback's on_exception hears of it, the batch is left and `cleanup(error)` runs (errors inside
-/// it are dropped: the run's own error says more), then the error goes on.
+/// it are dropped: the run's own error says more), then the error goes on. Either way the loggers flush and are told
+/// how the run ended (loggers/concept.hpp).
 template <class S, class P, class A, class... Cs>
 template <class Impl, class Body, class Cleanup>
-decltype(auto) Trainer<S, P, A, Cs...>::guarded(Impl& module, Body&& body, Cleanup&& cleanup) {
+void Trainer<S, P, A, Cs...>::guarded(Impl& module, Body&& body, Cleanup&& cleanup) {
   try {
-    return body();
+    body();
   } catch (...) {
     const std::exception_ptr error = std::current_exception();
     try {
       detail::call_callbacks<detail::hooks::on_exception>(callbacks_, *this, module, error);
-    } catch (...) {  // a callback that fails here (a logger's flush) loses nothing of the run's own error
+    } catch (...) {  // a callback that fails here loses nothing of the run's own error
     }
     leave_batch();
     try {
       cleanup(error);
     } catch (...) {
     }
+    try {
+      flush_loggers();
+      detail::finalize_loggers(callbacks_, strategy_.is_global_zero(), detail::run_status(error));
+    } catch (...) {  // likewise a logger's last write
+    }
     throw;
   }
+  flush_loggers();
+  detail::finalize_loggers(callbacks_, strategy_.is_global_zero(), RunStatus::finished);
 }
 
 /// The batch is over: Context::log no longer sizes values by it.
@@ -215,22 +223,19 @@ decltype(auto) Trainer<S, P, A, Cs...>::hook(Impl& module, Context& ctx, Args&&.
   return detail::call_hook<H>(callbacks_, *this, module, ctx, std::forward<Args>(args)...);
 }
 
-/// Hands metrics to every logger callback (with the epoch, as Lightning adds it) and clears them.
+/// Hands metrics to every logger (with the epoch, as Lightning adds it) on rank zero, and clears them everywhere.
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::send_to_loggers(detail::MetricMap& metrics) {
   if constexpr (has_loggers()) {
     if (metrics.empty()) return;
     auto values = detail::to_doubles(metrics);
     values["epoch"] = static_cast<double>(state_.current_epoch);
-    const int64_t step = progress_.logging_step();
-    detail::for_each_callback(callbacks_, [&](auto& c) {
-      if constexpr (requires { c.on_log_metrics(*this, values, step); }) c.on_log_metrics(*this, values, step);
-    });
+    detail::log_metrics(callbacks_, strategy_.is_global_zero(), values, progress_.logging_step());
   }
   metrics.clear();
 }
 
-/// Every logger callback with a `flush()` writes what it holds (callbacks/concept.hpp says when).
+/// Every callback with a `flush()` writes what it holds (loggers/concept.hpp says when).
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::flush_loggers() {
   detail::for_each_callback(callbacks_, [](auto& c) {

@@ -1,7 +1,7 @@
 #pragma once
 
-#include "volt/callbacks/concept.hpp"
-#include "volt/callbacks/log_dir.hpp"
+#include "volt/loggers/concept.hpp"
+#include "volt/loggers/log_dir.hpp"
 #include "volt/stage.hpp"
 
 #include <charconv>
@@ -19,7 +19,7 @@
 namespace volt {
 
 /// Writes every logged metric to `<save_dir>/<name>/version_<n>/metrics.csv` on rank zero (the version another
-/// logger of the Trainer chose under the same folder, else the next free one: callbacks/log_dir.hpp), one row per
+/// logger of the Trainer chose under the same folder, else the next free one: loggers/log_dir.hpp), one row per
 /// logging event, with a `step` column and the union of all metric names as columns (empty where a row
 /// has no value), as Lightning's CSVLogger. Rows are appended; when a new name appears the file is
 /// rewritten through a temporary file and a rename, so a reader never sees a half-written header.
@@ -29,6 +29,8 @@ namespace volt {
 /// hyper-parameters (`Trainer::save_hyperparameters`) go beside the metrics as `hparams.yaml` when each run starts.
 class CSVLogger {
  public:
+  static constexpr bool is_logger = true;
+
   struct Options {
     /// Base folder; empty: the Trainer's default_root_dir.
     std::string save_dir;
@@ -58,11 +60,14 @@ class CSVLogger {
     if (log_dir_.empty()) {
       log_dir_ = detail::logger_dir(trainer, options_.save_dir, options_.name, options_.version, "CSVLogger");
     }
-    detail::write_hparams_yaml(trainer, log_dir_, "CSVLogger");
   }
 
-  template <class T>
-  void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t step) {
+  /// `hparams.yaml` beside the metrics.
+  void log_hyperparams(const Json& params) {
+    if (enabled_) detail::write_hparams_yaml(params, log_dir_, "CSVLogger");
+  }
+
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
     if (!enabled_) return;
     rows_.push_back({step, metrics});
     for (const auto& [key, value] : metrics) {
@@ -75,16 +80,8 @@ class CSVLogger {
     if (static_cast<int64_t>(rows_.size() - written_) >= options_.flush_every) flush();
   }
 
-  template <class T, class M>
-  void teardown(T&, M&, Stage) {
-    flush();
-  }
-  template <class T, class M>
-  void on_exception(T&, M&, std::exception_ptr) {
-    flush();
-  }
-
-  /// Writes rows not yet in the file (the Trainer calls it; see callbacks/concept.hpp).
+  /// Writes rows not yet in the file (the Trainer calls it at the end of each run, failed ones included; see
+  /// loggers/concept.hpp).
   void flush() {
     if (!enabled_ || log_dir_.empty() || written_ == rows_.size()) return;
     if (header_changed_) {

@@ -1,11 +1,10 @@
 #pragma once
 
-#include "volt/callbacks/concept.hpp"
-#include "volt/callbacks/log_dir.hpp"
 #include "volt/callbacks/model_summary.hpp"
-#include "volt/callbacks/tensorboard_events.hpp"
+#include "volt/loggers/concept.hpp"
+#include "volt/loggers/log_dir.hpp"
+#include "volt/loggers/tensorboard_events.hpp"
 #include "volt/stage.hpp"
-#include "volt/errors.hpp"
 
 #include <unistd.h>
 
@@ -32,16 +31,18 @@ namespace volt {
 /// TensorBoardLogger (open it with `tensorboard --logdir volt_logs`). Beside the scalars: the hyper-parameters given in
 /// `Options::hparams` (TensorBoard's HPARAMS tab, with `hparam_metrics` as its metric columns) and the model's
 /// summary as text (TEXT tab), both when the first fit starts. The folder is the one a CSVLogger of the same Trainer
-/// uses under the same save_dir and name (callbacks/log_dir.hpp), so both can run side by side.
+/// uses under the same save_dir and name (loggers/log_dir.hpp), so both can run side by side.
 ///
 /// Values are TensorBoard's `simple_value`, a float: a double logged is read back as the float nearest to it, as
 /// with PyTorch's `SummaryWriter.add_scalar`. Records are written whole: at most `max_queue` logging events wait in
 /// memory, and the Trainer flushes at each epoch's end, after each validation, on a stop signal, when a run fails and
 /// when it ends, so a killed run loses at most the events since the last of those. One file per logger object (a fit
 /// and a later test append to the same one). Writes nothing under fast_dev_run. The format is in
-/// callbacks/tensorboard_events.hpp.
+/// loggers/tensorboard_events.hpp.
 class TensorBoardLogger {
  public:
+  static constexpr bool is_logger = true;
+
   struct Options {
     /// Base folder; empty: the Trainer's default_root_dir.
     std::string save_dir;
@@ -83,57 +84,57 @@ class TensorBoardLogger {
       pending_ += tensorboard::record(tensorboard::file_version_event(now()));
       write_pending();  // the file exists from the start, so a reader finds the run
     }
-    detail::write_hparams_yaml(trainer, log_dir_, "TensorBoardLogger");
-    if (stage == Stage::train && !started_) {
-      started_ = true;
-      const int64_t step = trainer.global_step();
-      shown_hparams_ = options_.hparams;
-      if constexpr (requires { trainer.hyper_parameters(); }) {
-        if (shown_hparams_.empty()) flatten(trainer.hyper_parameters(), "", shown_hparams_);
-      }
-      if (shown_hparams_.empty() && !options_.hparam_metrics.empty()) {
-        throw std::invalid_argument("volt: TensorBoardLogger hparam_metrics are given without hparams: the HPARAMS tab "
-                                    "shows metrics beside hyper-parameters; give Options::hparams, or the Trainer's "
-                                    "(save_hyperparameters).");
-      }
-      if (!shown_hparams_.empty()) {
-        add({tensorboard::hparams_experiment(shown_hparams_, options_.hparam_metrics)}, step);
-        add({tensorboard::hparams_session_start(shown_hparams_, now())}, step);
-      }
-      if (options_.log_model_summary) add({tensorboard::text_value("model_summary", summarize(module).to_markdown())}, step);
-      flush();
+    fitting_ = stage == Stage::train;
+    step_ = trainer.global_step();
+    if (fitting_ && !started_) {
+      started_ = session_pending_ = true;
+      if (options_.log_model_summary) add({tensorboard::text_value("model_summary", summarize(module).to_markdown())}, step_);
     }
   }
 
-  template <class T>
-  void on_log_metrics(T&, const std::map<std::string, double>& metrics, int64_t step) {
+  /// `hparams.yaml` beside the events; at the first fit also the HPARAMS tab's experiment and session (Options::hparams,
+  /// else these flattened).
+  void log_hyperparams(const Json& params) {
+    if (!enabled_) return;
+    detail::write_hparams_yaml(params, log_dir_, "TensorBoardLogger");
+    if (!session_pending_) return;
+    session_pending_ = false;
+    shown_hparams_ = options_.hparams;
+    if (shown_hparams_.empty()) flatten(params, "", shown_hparams_);
+    if (shown_hparams_.empty() && !options_.hparam_metrics.empty()) {
+      throw std::invalid_argument("volt: TensorBoardLogger hparam_metrics are given without hparams: the HPARAMS tab "
+                                  "shows metrics beside hyper-parameters; give Options::hparams, or the Trainer's "
+                                  "(save_hyperparameters).");
+    }
+    if (!shown_hparams_.empty()) {
+      add({tensorboard::hparams_experiment(shown_hparams_, options_.hparam_metrics)}, step_);
+      add({tensorboard::hparams_session_start(shown_hparams_, now())}, step_);
+    }
+    flush();
+  }
+
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
     if (!enabled_) return;
     std::vector<tensorboard::Proto> values;
     for (const auto& [tag, value] : metrics) values.push_back(tensorboard::scalar_value(tag, value));
     add(values, step);
   }
 
-  template <class T, class M>
-  void teardown(T& trainer, M&, Stage stage) {
-    if (enabled_ && stage == Stage::train && !shown_hparams_.empty()) {
-      add({tensorboard::hparams_session_end(/*success=*/true, now())}, trainer.global_step());
-    }
-    flush();
-  }
-  /// A failing fit ends its session as a failure; one stopped by a signal (volt::Interrupted, to be resumed) stays open.
-  template <class T, class M>
-  void on_exception(T& trainer, M&, std::exception_ptr error) {
-    try {  // the run's own error is the one to see: a failing write here must not replace it
-      if (enabled_ && trainer.fitting() && !shown_hparams_.empty() && !is_interruption(error)) {
-        add({tensorboard::hparams_session_end(/*success=*/false, now())}, trainer.global_step());
+  /// A fit's end closes its HPARAMS session, as a success or a failure; one stopped by a signal (to be resumed) stays
+  /// open.
+  void finalize(RunStatus status) {
+    try {  // after a failure, the run's own error is the one to see: a failing write here must not replace it
+      if (enabled_ && fitting_ && !shown_hparams_.empty() && status != RunStatus::interrupted) {
+        add({tensorboard::hparams_session_end(status == RunStatus::finished, now())}, step_);
       }
       flush();
     } catch (const std::exception& e) {
+      if (status == RunStatus::finished) throw;
       std::cerr << "volt: TensorBoardLogger could not write its last events: " << e.what() << "\n";
     }
   }
 
-  /// Writes the events not yet in the file (the Trainer calls it; see callbacks/concept.hpp).
+  /// Writes the events not yet in the file (the Trainer calls it; see loggers/concept.hpp).
   void flush() {
     if (enabled_ && !file_.empty() && !pending_.empty()) write_pending();
   }
@@ -156,15 +157,6 @@ class TensorBoardLogger {
       }
     }
   }
-  static bool is_interruption(std::exception_ptr error) {
-    try {
-      if (error) std::rethrow_exception(error);
-    } catch (const Interrupted&) {
-      return true;
-    } catch (...) {
-    }
-    return false;
-  }
   static double now() {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   }
@@ -179,6 +171,7 @@ class TensorBoardLogger {
     return name;
   }
   void add(const std::vector<tensorboard::Proto>& values, int64_t step) {
+    step_ = step;
     pending_ += tensorboard::record(tensorboard::event(now(), step, values));
     if (++queued_ >= options_.max_queue) flush();
   }
@@ -201,8 +194,12 @@ class TensorBoardLogger {
 
   Options options_;
   bool enabled_ = false;
-  /// The hyper-parameters and the summary are written (once per logger, at the first fit).
+  /// The summary is written (once per logger, at the first fit), and the HPARAMS session is still to start.
   bool started_ = false;
+  bool session_pending_ = false;
+  /// The running run is a fit; the step of the latest events.
+  bool fitting_ = false;
+  int64_t step_ = 0;
   /// The HPARAMS tab's values: Options::hparams, or the Trainer's flattened.
   std::map<std::string, tensorboard::HParam> shown_hparams_;
   std::filesystem::path log_dir_;

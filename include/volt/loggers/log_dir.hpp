@@ -61,22 +61,18 @@ std::filesystem::path logger_dir(T& trainer, const std::string& save_dir, const 
   }
 }
 
-/// Writes the run's hyper-parameters (`Trainer::hyper_parameters()`) as `<dir>/hparams.yaml`, as Lightning's loggers
-/// do, through a temporary file and a rename; nothing when there are none.
-template <class T>
-void write_hparams_yaml(const T& trainer, const std::filesystem::path& dir, const char* who) {
-  if constexpr (requires { trainer.hyper_parameters(); }) {
-    const Json& hparams = trainer.hyper_parameters();
-    if (hparams.empty() || dir.empty()) return;
-    const std::filesystem::path tmp = dir / "hparams.yaml.tmp";
-    {
-      std::ofstream f(tmp, std::ios::trunc);
-      f << config::to_yaml(hparams);
-      f.flush();
-      if (!f) throw std::runtime_error(std::string("volt: ") + who + " could not write " + tmp.string());
-    }
-    std::filesystem::rename(tmp, dir / "hparams.yaml");
+/// Writes the run's hyper-parameters as `<dir>/hparams.yaml`, as Lightning's loggers do, through a temporary file and
+/// a rename; nothing when there are none.
+inline void write_hparams_yaml(const Json& hparams, const std::filesystem::path& dir, const char* who) {
+  if (hparams.empty() || dir.empty()) return;
+  const std::filesystem::path tmp = dir / "hparams.yaml.tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << config::to_yaml(hparams);
+    f.flush();
+    if (!f) throw std::runtime_error(std::string("volt: ") + who + " could not write " + tmp.string());
   }
+  std::filesystem::rename(tmp, dir / "hparams.yaml");
 }
 
 }  // namespace volt::detail

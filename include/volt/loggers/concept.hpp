@@ -1,0 +1,145 @@
+#pragma once
+/// \file
+/// Loggers: callbacks that also write what a run logs, as Lightning's `Logger`s. A logger is given to the Trainer
+/// with the other callbacks (`make_trainer<S, P, A>(options, CSVLogger{}, MyLogger{})`), has every callback hook
+/// (volt/callbacks/concept.hpp: `setup` finds its folder, `state_dict` keeps a run id in checkpoints), and these hooks
+/// of its own, which the Trainer calls on the global rank zero only:
+///
+/// | hook | when |
+/// |---|---|
+/// | `void log_metrics(const std::map<std::string, double>& metrics, int64_t step)` | **required**: each logging event, `epoch` among the values, at the step values are filed under (`Trainer::logging_step`) |
+/// | `void log_hyperparams(const volt::Json& params)` | each run (fit, validate, test, predict) after the callbacks' `setup`, with the run's hyper-parameters (`Trainer::hyper_parameters`) when there are any |
+/// | `void flush()` | write what it holds: at each training epoch's end, after each validation or test run, on a stop signal, when a run fails and when a fit ends |
+/// | `void finalize(volt::RunStatus status)` | a run ends: `finished`, `failed` (an exception), or `interrupted` (a stop signal's `volt::Interrupted`, the fit to be resumed); after the last `flush` |
+///
+/// **A type is a logger** when it declares `static constexpr bool is_logger = true` (volt's own do), or has a member
+/// named like one of these hooks. The Trainer checks every logger at compile time: no `log_metrics`, or a hook with
+/// parameters volt does not pass, is a compile error naming the hook and its signature, so a misspelt or mistyped hook
+/// of a declared logger is never silently left uncalled. (C++ cannot see a misspelt name of an optional hook: declare
+/// `is_logger` so that at least a misspelt `log_metrics` is caught.)
+///
+/// Writing your own:
+/// \code
+///   struct PrintLogger {
+///     static constexpr bool is_logger = true;
+///     void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
+///       for (const auto& [name, value] : metrics) std::cout << step << " " << name << "=" << value << "\n";
+///     }
+///   };
+/// \endcode
+
+#include "volt/batch.hpp"
+#include "volt/callbacks/concept.hpp"
+#include "volt/config/values.hpp"
+#include "volt/errors.hpp"
+
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <string>
+#include <type_traits>
+
+namespace volt {
+
+/// How a run ended, as a logger's `finalize` hears it (MLflow's FINISHED, FAILED, KILLED).
+enum class RunStatus { finished, failed, interrupted };
+
+/// Lightning's names for a run's end ("success", "failed", "interrupted").
+constexpr const char* to_string(RunStatus s) {
+  switch (s) {
+    case RunStatus::finished: return "success";
+    case RunStatus::failed: return "failed";
+    case RunStatus::interrupted: return "interrupted";
+  }
+  return "?";
+}
+
+/// A logger: a callback that takes logged metrics.
+template <class L>
+concept Logger = Callback<L> && requires(L& l, const std::map<std::string, double>& metrics, int64_t step) {
+  l.log_metrics(metrics, step);
+};
+
+namespace detail {
+
+/// Whether `C` says it is a logger, or names a logger's hook (a non-template member of that name).
+template <class C>
+inline constexpr bool declares_logger = [] {
+  if constexpr (requires { C::is_logger; }) {
+    return static_cast<bool>(C::is_logger);
+  } else {
+    return requires { &C::log_metrics; } || requires { &C::log_hyperparams; } || requires { &C::finalize; };
+  }
+}();
+
+/// The compile-time check of one callback type of a Trainer: a logger's hooks take what volt passes. Instantiated
+/// by the Trainer for each of its callback types; `true` when it compiles.
+template <class C>
+constexpr bool check_logger() {
+  if constexpr (requires { &C::on_log_metrics; }) {
+    static_assert(dependent_false<C>, "volt: a callback's on_log_metrics(trainer, metrics, step) is a logger's "
+                                      "log_metrics(metrics, step) now; see volt/loggers/concept.hpp.");
+  }
+  if constexpr (declares_logger<C>) {
+    static_assert(requires { &C::log_metrics; } || Logger<C>,
+                  "volt: a logger has no log_metrics: it needs `void log_metrics(const std::map<std::string, double>& "
+                  "metrics, int64_t step)`; see volt/loggers/concept.hpp.");
+    static_assert(Logger<C> || !requires { &C::log_metrics; },
+                  "volt: a logger's log_metrics has a signature volt does not call: it is `void log_metrics(const "
+                  "std::map<std::string, double>& metrics, int64_t step)`.");
+    if constexpr (requires { &C::log_hyperparams; }) {
+      static_assert(requires(C& c, const Json& params) { c.log_hyperparams(params); },
+                    "volt: a logger's log_hyperparams has a signature volt does not call: it is `void "
+                    "log_hyperparams(const volt::Json& params)`.");
+    }
+    if constexpr (requires { &C::finalize; }) {
+      static_assert(requires(C& c) { c.finalize(RunStatus::finished); },
+                    "volt: a logger's finalize has a signature volt does not call: it is `void finalize(volt::RunStatus "
+                    "status)`.");
+    }
+  }
+  return true;
+}
+
+/// Calls `f(logger)` for every logger of the pack, in pack order.
+template <class Tuple, class F>
+void for_each_logger(Tuple& callbacks, F&& f) {
+  for_each_callback(callbacks, [&](auto& c) {
+    if constexpr (Logger<std::remove_cvref_t<decltype(c)>>) f(c);
+  });
+}
+
+/// How a run that threw ended: a stop signal's `Interrupted`, or a failure.
+inline RunStatus run_status(std::exception_ptr error) {
+  try {
+    if (error) std::rethrow_exception(error);
+  } catch (const Interrupted&) {
+    return RunStatus::interrupted;
+  } catch (...) {
+  }
+  return RunStatus::failed;
+}
+
+/// The Trainer's calls of the hooks above, on the global rank zero (`global_zero`) only.
+template <class Tuple>
+void log_metrics(Tuple& callbacks, bool global_zero, const std::map<std::string, double>& metrics, int64_t step) {
+  if (global_zero) for_each_logger(callbacks, [&](auto& l) { l.log_metrics(metrics, step); });
+}
+template <class Tuple>
+void log_hyperparams(Tuple& callbacks, bool global_zero, const Json& params) {
+  if (!global_zero) return;
+  for_each_logger(callbacks, [&](auto& l) {
+    if constexpr (requires { l.log_hyperparams(params); }) l.log_hyperparams(params);
+  });
+}
+template <class Tuple>
+void finalize_loggers(Tuple& callbacks, bool global_zero, RunStatus status) {
+  if (!global_zero) return;
+  for_each_logger(callbacks, [&](auto& l) {
+    if constexpr (requires { l.finalize(status); }) l.finalize(status);
+  });
+}
+
+}  // namespace detail
+
+}  // namespace volt

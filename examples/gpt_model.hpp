@@ -28,6 +28,7 @@ struct Config {
   int64_t width = 128;   // embedding size
   double dropout = 0.0;
   volt::ActivationCheckpointing checkpointing{};  // which blocks recompute their activations in backward
+  bool gelu_tanh = false;  // GELU's tanh approximation, GPT-2's "gelu_new" (false: the exact GELU)
 };
 
 /// Multi-head causal self-attention: one projection to queries, keys and values, a lower-triangular mask.
@@ -66,8 +67,9 @@ struct BlockImpl : torch::nn::Module {
   CausalSelfAttention attn{nullptr};
   torch::nn::Linear fc{nullptr}, fc_proj{nullptr};
   torch::nn::Dropout drop{nullptr};
+  std::string gelu;  // "none" (exact) or "tanh"
 
-  explicit BlockImpl(const Config& c) {
+  explicit BlockImpl(const Config& c) : gelu(c.gelu_tanh ? "tanh" : "none") {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
     attn = register_module("attn", CausalSelfAttention(c));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
@@ -78,7 +80,7 @@ struct BlockImpl : torch::nn::Module {
 
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn(ln1(x));
-    return x + drop(fc_proj(torch::gelu(fc(ln2(x)))));
+    return x + drop(fc_proj(torch::gelu(fc(ln2(x)), gelu)));
   }
 };
 TORCH_MODULE(Block);

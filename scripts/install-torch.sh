@@ -22,4 +22,8 @@ fi
 if ! "$venv/bin/python" -c 'import safetensors, numpy' 2>/dev/null; then
   "$venv/bin/python" -m pip install --quiet --progress-bar off safetensors numpy >&2
 fi
+# transformers, the GPT-2 test's independent side (test/gpt2_check.py): pinned, so a new release cannot change a landing.
+if [ "$("$venv/bin/python" -c 'import transformers; print(transformers.__version__)' 2>/dev/null)" != "5.24.0" ]; then
+  "$venv/bin/python" -m pip install --quiet --progress-bar off "transformers==5.24.0" >&2
+fi
 torch_dir

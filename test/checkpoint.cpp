@@ -1062,6 +1062,7 @@ TEST_CASE("safetensors files for Python to read", "[.safetensors_export]") {
   net->forward(torch::randn({16, 4}) * 2 - 1);  // running statistics that are not the initial ones
   net->eval();
   volt::save_safetensors(*net, (dir / "net.safetensors").string());
+  volt::save_weights(*net, (dir / "net_sharded").string(), {.max_shard_bytes = 100});
   const auto x = torch::randn({5, 4});
   volt::safetensors::write((dir / "io.safetensors").string(),
                            {.tensors = {{"input", x}, {"output", net->forward(x).detach()}}, .metadata = {}});
@@ -1102,4 +1103,155 @@ TEST_CASE("safetensors files Python wrote", "[.safetensors_import]") {
   const auto io = volt::safetensors::read((dir / "py_io.safetensors").string());
   std::map<std::string, torch::Tensor> m(io.tensors.begin(), io.tensors.end());
   CHECK(torch::allclose(net->forward(m.at("input")), m.at("output"), 1e-5, 1e-6));
+  TunedNet from_shards;  // the same weights as a folder of three shards and their index
+  volt::load_weights(*from_shards, (dir / "py_net_sharded").string());
+  from_shards->eval();
+  CHECK(torch::allclose(from_shards->forward(m.at("input")), m.at("output"), 1e-5, 1e-6));
+}
+
+namespace {
+/// The process's anonymous resident memory in bytes (RssAnon in /proc/self/status): what it allocated, not the file
+/// pages it maps.
+int64_t anonymous_resident() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoll(line.substr(8)) * 1024;
+  }
+  return -1;
+}
+}  // namespace
+
+TEST_CASE("load_weights and save_weights: names with '*', per-tensor transforms, Hugging Face's sharded folders",
+          "[weights]") {
+  const fs::path dir = scratch("weights_layout");
+  SECTION("a rename rule's '*' carries the text it matched; a transform changes the tensors it names (known answers)") {
+    std::vector<std::string> stars;
+    CHECK(volt::detail::renamed("transformer.h.11.attn.c_attn.weight", {{"transformer.h.*.attn.c_attn.", "net.blocks.*.attn.qkv."}}) ==
+          "net.blocks.11.attn.qkv.weight");
+    CHECK(volt::detail::renamed("transformer.h.1.ln_1.bias", {{"x.", "y."}, {"transformer.h.*.ln_*.", "b.*.ln*."}}) ==
+          "b.1.ln1.bias");
+    CHECK(volt::detail::renamed("transformer.wte.weight", {{"transformer.h.*.", "blocks.*."}}) == "transformer.wte.weight");
+    CHECK_FALSE(volt::detail::matches("h.*.w", "h.1.2.w"));  // a '*' does not cross a '.'
+    CHECK(volt::detail::matches("h.*.w", "h.12.w"));
+    const auto six = torch::arange(6, torch::kFloat);  // 0 1 2 3 4 5
+    const auto rotated = volt::transform::chain(volt::transform::reshape({2, 3}), volt::transform::transpose())(six);
+    CHECK(torch::equal(rotated, torch::tensor({0.f, 3.f, 1.f, 4.f, 2.f, 5.f}).reshape({3, 2})));
+    CHECK(volt::transform::permute({2, 0, 1})(torch::zeros({2, 3, 4})).sizes() == std::vector<int64_t>{4, 2, 3});
+    CHECK(volt::transform::cast(torch::kBFloat16)(six).scalar_type() == torch::kBFloat16);
+  }
+  SECTION("GPT-2's Conv1D layout into Linear layers: renamed and transposed, the file's tensors as written by hand") {
+    struct Block : torch::nn::Module {
+      torch::nn::Linear fc{nullptr}, proj{nullptr};
+      Block() {
+        fc = register_module("fc", torch::nn::Linear(3, 5));
+        proj = register_module("proj", torch::nn::Linear(5, 3));
+      }
+    } block;
+    const auto fc_w = torch::randn({3, 5}), fc_b = torch::randn({5}), proj_w = torch::randn({5, 3}), proj_b = torch::randn({3});
+    volt::safetensors::write((dir / "conv1d.safetensors").string(),
+                             {.tensors = {{"h.0.mlp.c_fc.weight", fc_w}, {"h.0.mlp.c_fc.bias", fc_b},
+                                          {"h.0.mlp.c_proj.weight", proj_w}, {"h.0.mlp.c_proj.bias", proj_b}},
+                              .metadata = {}});
+    const volt::LoadWeightsOptions from_gpt2{
+        .rename = {{"h.*.mlp.c_fc.", "fc."}, {"h.*.mlp.c_proj.", "proj."}},
+        .transforms = {{"h.*.mlp.c_*.weight", volt::transform::transpose(), "transpose"}}};
+    volt::load_weights(block, (dir / "conv1d.safetensors").string(), from_gpt2);
+    CHECK(torch::equal(block.fc->weight, fc_w.t()));
+    CHECK(torch::equal(block.proj->weight, proj_w.t()));
+    CHECK(torch::equal(block.fc->bias, fc_b));
+    const auto x = torch::randn({2, 3});  // Conv1D's forward, x @ W + b, by hand
+    CHECK(torch::allclose(block.fc->forward(x), x.matmul(fc_w) + fc_b));
+    // And back: save_weights writes the Conv1D layout again, which reads back as the hand-written file.
+    volt::save_weights(block, (dir / "back").string(),
+                       {.rename = {{"fc.", "h.0.mlp.c_fc."}, {"proj.", "h.0.mlp.c_proj."}},
+                        .transforms = {{"*.weight", volt::transform::transpose(), "transpose"}}});
+    const auto back = volt::read_weights((dir / "back").string());
+    std::map<std::string, torch::Tensor> m(back.tensors.begin(), back.tensors.end());
+    CHECK(torch::equal(m.at("h.0.mlp.c_fc.weight"), fc_w));
+    CHECK(torch::equal(m.at("h.0.mlp.c_proj.bias"), proj_b));
+    CHECK(back.metadata.at("format") == "pt");
+    CHECK_THROWS_WITH(volt::load_weights(block, (dir / "conv1d.safetensors").string(),
+                                         {.rename = from_gpt2.rename,
+                                          .transforms = {{"h.*.attn.c_attn.weight", volt::transform::transpose(), "transpose"}}}),
+                      "volt: transpose for \"h.*.attn.c_attn.weight\" matches no tensor of " +
+                          (dir / "conv1d.safetensors").string() + " (its names look like h.0.mlp.c_fc.bias, "  // the file's order: by name
+                          "h.0.mlp.c_fc.weight, h.0.mlp.c_proj.bias); nothing was loaded.");
+    CHECK_THROWS_WITH(volt::load_weights(block, (dir / "conv1d.safetensors").string(),
+                                         {.transforms = {{"h.0.mlp.c_fc.bias", volt::transform::transpose(), "transpose"}}}),
+                      StartsWith("volt: transpose for \"h.0.mlp.c_fc.bias\" failed on h.0.mlp.c_fc.bias [5] of "));
+    CHECK_THROWS_WITH(volt::load_weights(block, (dir / "conv1d.safetensors").string(), {.rename = {{"h.", "*."}}}),
+                      "volt: load_weights rename rule {\"h.\", \"*.\"} has more '*' in what it writes than in what it "
+                      "matches; each '*' of the second takes the text of the same '*' of the first.");
+  }
+  SECTION("sharded: the index and its shards written, read back whole, and an earlier save's files removed") {
+    torch::manual_seed(4);
+    TunedNet net(3), fresh(3);
+    volt::save_weights(*net, (dir / "sharded").string(), {.max_shard_bytes = 100});
+    // 404 bytes in 9 tensors (the first linear's 4x8 floats, 128 bytes, more than a shard): shards of at most 100
+    // bytes, or of one larger tensor, named k of N, with the index.
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(dir / "sharded")) files.push_back(e.path().filename().string());
+    std::sort(files.begin(), files.end());
+    REQUIRE(files.size() >= 5);
+    CHECK(files.back() == "model.safetensors.index.json");
+    const std::string of = "-of-0000" + std::to_string(files.size() - 1) + ".safetensors";
+    int64_t total = 0;
+    for (std::size_t k = 0; k + 1 < files.size(); ++k) {
+      CHECK(files[k] == "model-0000" + std::to_string(k + 1) + of);
+      const auto shard = volt::safetensors::read((dir / "sharded" / files[k]).string());
+      int64_t bytes = 0;
+      for (const auto& [name, t] : shard.tensors) bytes += t.numel() * t.element_size();
+      CHECK((bytes <= 100 || shard.tensors.size() == 1));
+      total += bytes;
+    }
+    CHECK(total == 128 + 8 * 4 * 5 + 8 + 96 + 12);
+    volt::load_weights(*fresh, (dir / "sharded").string());
+    for (const auto& p : net->named_parameters()) CHECK(torch::equal(p.value(), fresh->named_parameters()[p.key()]));
+    for (const auto& b : net->named_buffers()) CHECK(torch::equal(b.value(), fresh->named_buffers()[b.key()]));
+    // A buffer the file leaves out (save_weights' skip) is kept in the module when load_weights is told to.
+    volt::save_weights(*net, (dir / "no_statistics").string(), {.skip = {"backbone.*.running_"}});
+    TunedNet third(3);
+    const auto mean = third->named_buffers()["backbone.1.running_mean"].clone();
+    CHECK_THROWS_WITH(volt::load_weights(*third, (dir / "no_statistics").string()), Contains("backbone.1.running_mean"));
+    const auto r = volt::load_weights(*third, (dir / "no_statistics").string(), {.keep = {"backbone.1.running_"}});
+    CHECK(r.loaded.size() == 7);  // 9 less the two statistics
+    CHECK(torch::equal(third->named_buffers()["backbone.1.running_mean"], mean));
+    CHECK(torch::equal(third->head->weight, net->head->weight));
+    volt::save_weights(*net, (dir / "sharded").string());
+    files.clear();
+    for (const auto& e : fs::directory_iterator(dir / "sharded")) files.push_back(e.path().filename().string());
+    CHECK(files == std::vector<std::string>{"model.safetensors"});
+    // A broken folder: an index naming a missing shard, or a tensor its shard does not hold.
+    fs::create_directories(dir / "broken");
+    std::ofstream(dir / "broken" / "model.safetensors.index.json")
+        << R"({"metadata": {}, "weight_map": {"head.weight": "model-00001-of-00002.safetensors"}})";
+    CHECK_THROWS_WITH(volt::read_weights((dir / "broken").string()),
+                      "volt: " + (dir / "broken" / "model.safetensors.index.json").string() +
+                          " names the shard model-00001-of-00002.safetensors, which is not beside it.");
+    fs::copy_file(dir / "sharded" / "model.safetensors", dir / "broken" / "model-00001-of-00002.safetensors");
+    std::ofstream(dir / "broken" / "model.safetensors.index.json")
+        << R"({"weight_map": {"head.weights": "model-00001-of-00002.safetensors"}})";
+    CHECK_THROWS_WITH(volt::read_weights((dir / "broken").string()),
+                      "volt: " + (dir / "broken" / "model.safetensors.index.json").string() +
+                          " puts \"head.weights\" in model-00001-of-00002.safetensors, which has no such tensor.");
+    CHECK_THROWS_WITH(volt::read_weights(dir.string()),
+                      "volt: " + dir.string() + " holds neither model.safetensors nor model.safetensors.index.json: a "
+                      "Hugging Face model folder has one of them.");
+  }
+  SECTION("a file is mapped, not read into memory: 64 MiB of weights cost no anonymous memory") {
+    const int64_t n = int64_t{1} << 24;  // floats: 0 .. 2^24 - 1, each exact in a float
+    volt::safetensors::write((dir / "big.safetensors").string(),
+                             {.tensors = {{"big", torch::arange(n, torch::kFloat)}}, .metadata = {}});
+    const int64_t before = anonymous_resident();
+    REQUIRE(before > 0);
+    const auto file = volt::read_weights((dir / "big.safetensors").string());
+    const double sum = file.tensors.at(0).second.sum(torch::kDouble).item<double>();  // every page read
+    const int64_t grown = anonymous_resident() - before;
+    INFO("anonymous resident memory grew by " << grown / 1024 << " KiB reading a " << (n * 4 >> 20) << " MiB file");
+    CHECK(sum == static_cast<double>(n) * static_cast<double>(n - 1) / 2);  // 0 + 1 + ... + (n - 1)
+    CHECK(grown < (int64_t{16} << 20));
+    // The tensors may be written: the pages are this process's copies, the file stays as it was.
+    file.tensors.at(0).second.fill_(1);
+    CHECK(volt::safetensors::read((dir / "big.safetensors").string()).tensors.at(0).second[5].item<float>() == 5.f);
+  }
 }

@@ -213,6 +213,13 @@ volt_torch_python_test(data.tokens_numpy
                        "rm -rf '${resume_dir}/tokens' && '${volt_torch_python}' '${CMAKE_CURRENT_SOURCE_DIR}/tokens_check.py' write '${resume_dir}/tokens' && VOLT_TOKENS_DIR='${resume_dir}/tokens' '$<TARGET_FILE:volt_tests>' '[.tokens_export]'"
                        tokens_check.py "compare '${resume_dir}/tokens'")
 set_tests_properties(data.tokens_numpy PROPERTIES PASS_REGULAR_EXPRESSION "tokens ok")
+# GPT-2 between volt's GPT and transformers (test/gpt2_check.py): transformers saves a GPT-2 of random weights (one file
+# and shards), volt loads both with equal logits and exports its own, which from_pretrained loads with equal logits.
+# transformers needs torch 2: the 2.11 lane runs it, the 1.13 lane skips it.
+volt_torch_python_test(weights.gpt2_transformers
+                       "export HF_HUB_OFFLINE=1 && rm -rf '${resume_dir}/gpt2' && '${volt_torch_python}' '${CMAKE_CURRENT_SOURCE_DIR}/gpt2_check.py' write '${resume_dir}/gpt2' && VOLT_GPT2_DIR='${resume_dir}/gpt2' '$<TARGET_FILE:volt_tests>' '[.gpt2]'"
+                       gpt2_check.py "compare '${resume_dir}/gpt2'")
+set_tests_properties(weights.gpt2_transformers PROPERTIES PASS_REGULAR_EXPRESSION "gpt2 ok")
 # The transformer recipe (AdamW with two parameter groups, warm-up then cosine, stepped per optimizer step) trained by
 # volt and by PyTorch from the same weights and batches (test/recipe_check.py): the same rates and weights.
 volt_torch_python_test(optim.recipe_vs_torch

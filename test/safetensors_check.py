@@ -8,8 +8,10 @@ and torch, and writes files for volt to read back ("[.safetensors_import]"). Usa
   volt's output;
 - each checkpoint ModelCheckpoint wrote with save_safetensors has its weights file beside it, the checkpoint's
   state_dict (read with torch.load) tensor for tensor;
-- then this side's own files: every dtype this torch has, with metadata, and another network's weights, input and
-  output. Prints MISMATCH on any difference."""
+- the network saved as a Hugging Face folder of shards reads through its index to the same tensors;
+- then this side's own files: every dtype this torch has, with metadata, and another network's weights (also as a
+  folder of three shards and an index, as save_pretrained writes), input and output. Prints MISMATCH on any difference."""
+import json
 import os
 import sys
 
@@ -90,7 +92,42 @@ def check_volt_files(folder):
         out = net(io["input"])
     if not torch.allclose(out, io["output"], atol=1e-6, rtol=1e-5):
         bad.append(f"the network's output differs by {(out - io['output']).abs().max().item()}")
+    # The same network saved as a Hugging Face folder of shards (save_weights, max_shard_bytes = 100): read through its
+    # index as transformers reads one, the same tensors.
+    sharded = load_sharded(f"{folder}/net_sharded")
+    whole = load_file(f"{folder}/net.safetensors")
+    if sorted(sharded) != sorted(whole) or any(not same(sharded[k], whole[k]) for k in whole):
+        bad.append("the sharded folder's tensors are not net.safetensors'")
+    index = json.load(open(f"{folder}/net_sharded/model.safetensors.index.json"))
+    total = sum(t.numel() * t.element_size() for t in whole.values())
+    if index["metadata"]["total_size"] != total:
+        bad.append(f"the index's total_size is {index['metadata']['total_size']}, the tensors hold {total} bytes")
     return bad
+
+
+def load_sharded(folder):
+    """A folder's tensors through model.safetensors.index.json, as transformers' load_sharded_checkpoint reads them."""
+    index = json.load(open(f"{folder}/model.safetensors.index.json"))
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        out.update(load_file(f"{folder}/{shard}"))
+    if sorted(out) != sorted(index["weight_map"]):
+        raise SystemExit(f"MISMATCH: the shards of {folder} hold {sorted(out)}, the index lists {sorted(index['weight_map'])}")
+    return out
+
+
+def save_sharded(state, folder, shards):
+    """`state` in `shards` files and an index, as save_pretrained lays them out."""
+    os.makedirs(folder, exist_ok=True)
+    names = list(state)
+    weight_map = {}
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: state[n].contiguous() for n in names[k::shards]}
+        save_file(part, f"{folder}/{file}", metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, open(f"{folder}/model.safetensors.index.json", "w"))
 
 
 def check_beside_checkpoints(folder):
@@ -126,6 +163,7 @@ def write_python_files(folder):
     with torch.no_grad():
         y = net(x)
     save_file(net.state_dict(), f"{folder}/py_net.safetensors")
+    save_sharded(net.state_dict(), f"{folder}/py_net_sharded", 3)
     save_file({"input": x, "output": y}, f"{folder}/py_io.safetensors")
 
 

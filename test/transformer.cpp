@@ -3,6 +3,7 @@
 
 #include "common.hpp"
 
+#include "../examples/gpt_hf.hpp"
 #include "../examples/gpt_model.hpp"
 
 #include <volt/activation_checkpoint.hpp>
@@ -656,4 +657,43 @@ TEST_CASE("weigh_loss: the logged epoch mean weighted by tokens; misuse refused"
   auto t3 = volt::make_trainer({.max_epochs = 1});
   CHECK_THROWS_WITH(t3.validate(outside, volt::data::TensorLoader(tokens, lengths, {.batch_size = 4})),
                     Contains("outside training_step"));
+}
+
+TEST_CASE("GPT-2 from and to Hugging Face's layout: logits equal transformers'", "[.gpt2]") {
+  const char* env = std::getenv("VOLT_GPT2_DIR");
+  REQUIRE(env != nullptr);
+  const fs::path dir = env;  // test/gpt2_check.py wrote hf/, hf_sharded/ and hf_io.safetensors, and reads what is
+                             // written here
+  torch::NoGradGuard no_grad;
+  const auto io = volt::safetensors::read((dir / "hf_io.safetensors").string());
+  std::map<std::string, torch::Tensor> m(io.tensors.begin(), io.tensors.end());
+  for (const char* folder : {"hf", "hf_sharded"}) {
+    auto net = gpt::from_pretrained((dir / folder).string());
+    net->eval();
+    const double diff = (net->forward(m.at("tokens")) - m.at("logits")).abs().max().item<double>();
+    INFO(folder << ": volt's logits differ from transformers' by " << diff);
+    CHECK(diff < 1e-4);
+  }
+  // A GPT of volt's own, exact GELU, its biases and norms moved off their initial values: written for transformers.
+  torch::manual_seed(9);
+  gpt::GPT own(gpt::Config{.vocab = 57, .context = 16, .layers = 2, .heads = 2, .width = 24});
+  for (auto& p : own->named_parameters()) {
+    if (p.key().ends_with("bias") || p.key().find(".ln") != std::string::npos) p.value().add_(torch::randn_like(p.value()) * 0.1);
+  }
+  own->eval();
+  const auto tokens = torch::randint(0, 57, {3, 16});
+  const auto logits = own->forward(tokens);
+  gpt::save_pretrained(own, (dir / "volt").string());
+  gpt::save_pretrained(own, (dir / "volt_sharded").string(), 4000);
+  volt::safetensors::write((dir / "volt_io.safetensors").string(),
+                           {.tensors = {{"tokens", tokens}, {"logits", logits}}, .metadata = {}});
+  auto again = gpt::from_pretrained((dir / "volt_sharded").string());  // and back: the same model
+  again->eval();
+  CHECK(torch::equal(again->forward(tokens), logits));
+  // A config this model cannot compute alike is refused with one line.
+  fs::create_directories(dir / "llama");
+  std::ofstream(dir / "llama" / "config.json") << R"({"model_type": "llama", "hidden_size": 32})";
+  CHECK_THROWS_WITH(gpt::from_pretrained((dir / "llama").string()),
+                    "gpt: " + (dir / "llama").string() + "/config.json: model_type is \"llama\"; this model is GPT-2's "
+                    "(\"gpt2\")");
 }

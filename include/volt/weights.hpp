@@ -8,13 +8,22 @@
 ///   // r.loaded: the backbone's names; r.missing: the new head's; r.unexpected: none (skipped ones are not listed)
 ///   volt::load_weights(*model->backbone, "pretrained.safetensors", {.rename = {{"model.encoder.", ""}}});
 ///   volt::freeze(*model->backbone);                         // fine-tune the head only (volt::BackboneFinetuning)
+///   volt::save_weights(*model, "exported", {.max_shard_bytes = 5'000'000'000});  // save_pretrained's folder of weights
 /// \endcode
 ///
 /// | option of `load_weights` | meaning |
 /// |---|---|
-/// | `rename` | prefix rewrites `{from, to}` tried in order on each name in the file; the first `from` that begins the name is replaced by `to` (`{"", "backbone."}` puts every name under `backbone.`); a name no rule matches is kept |
-/// | `skip` | names (after renaming) that begin with one of these prefixes are left out, and not counted as unexpected |
+/// | `rename` | prefix rewrites `{from, to}` tried in order on each name in the file; the first `from` that begins the name is replaced by `to` (`{"", "backbone."}` puts every name under `backbone.`); a `*` stands for a run of characters without '.', and each `*` of `to` writes what the same `*` of `from` matched (`{"transformer.h.*.attn.c_attn.", "net.blocks.*.attn.qkv."}`); a name no rule matches is kept |
+/// | `skip` | names (after renaming) that begin with one of these (a `*` as above: `transformer.h.*.attn.bias`) are left out, and not counted as unexpected |
 /// | `strict` | `true` (the default, as PyTorch's `load_state_dict`): every parameter and buffer of the module gets a value and every tensor of the file a place, else an error naming the missing and the unexpected; `false`: what matches is loaded and the rest is returned |
+/// | `keep` | the module's names that begin with one of these need not be in the file: they keep their values (a buffer the other side computes instead of storing, such as an attention mask) |
+/// | `transforms` | `{name, apply, what}` (volt/weights/layout.hpp): each tensor whose name in the file matches `name` (`*` as above, the whole name) goes through `apply` before renaming, in the order given: `volt::transform::transpose()` (GPT-2's `Conv1D` weights), `permute`, `reshape`, `cast`, `chain` of them; one that matches nothing is an error |
+///
+/// Where the weights are: a safetensors file, a volt checkpoint, or a Hugging Face model folder (`model.safetensors`,
+/// or shards and `model.safetensors.index.json`; the index file itself will do). Safetensors files are mapped, not read:
+/// a tensor's pages are read as it is copied into the module, so loading needs no second copy of the weights in
+/// memory. `save_weights` writes such a folder, renaming and transforming the module's names and tensors the same way
+/// (the transforms match the module's names), in shards of at most `max_shard_bytes` when given.
 ///
 /// Shapes must match in every case (an error names each difference); a dtype is converted to the module's
 /// (`Tensor::copy_`), and the module's device is kept. Everything is checked before anything is copied: on any error
@@ -24,15 +33,18 @@
 #include "volt/checkpoint.hpp"
 #include "volt/errors.hpp"
 #include "volt/checkpoint/safetensors.hpp"
+#include "volt/weights/layout.hpp"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <type_traits>
 #include <string>
 #include <string_view>
@@ -46,6 +58,22 @@ struct LoadWeightsOptions {
   std::vector<std::pair<std::string, std::string>> rename{};
   std::vector<std::string> skip{};
   bool strict = true;
+  std::vector<WeightTransform> transforms{};
+  std::vector<std::string> keep{};
+};
+
+/// How `save_weights` writes a module's weights (the file's comment).
+struct SaveWeightsOptions {
+  /// Rules from the module's names to the file's, as LoadWeightsOptions::rename.
+  std::vector<std::pair<std::string, std::string>> rename{};
+  /// Applied to the tensors whose module names match, before renaming.
+  std::vector<WeightTransform> transforms{};
+  /// Module names (prefixes, `*` as in rename) left out: a head that shares the embedding's weights, a buffer the other side computes.
+  std::vector<std::string> skip{};
+  /// The files' `__metadata__`; `"format": "pt"` unless it says otherwise.
+  std::map<std::string, std::string> metadata{};
+  /// Shards of at most this many bytes (a larger tensor alone), as save_pretrained's max_shard_size; 0: one file.
+  int64_t max_shard_bytes = 0;
 };
 
 /// What `load_weights` did: the module's names it gave values, the module's names the file had nothing for, the
@@ -69,11 +97,14 @@ inline void save_safetensors(const torch::nn::Module& module, const std::string&
   safetensors::write(path, module_weights(module, std::move(metadata)));
 }
 
-/// The tensors of a weights file: a volt checkpoint's `state_dict`, or a safetensors file's tensors and metadata.
+/// The tensors of a weights file: a volt checkpoint's `state_dict`, a safetensors file's tensors and metadata (mapped:
+/// the tensors are the file's pages, read when touched, and copied for this process where written), or a Hugging Face
+/// model folder's (or its index's).
 inline TensorFile read_weights(const std::string& path) {
+  if (std::filesystem::is_directory(path) || path.ends_with(".index.json")) return hf::read_folder(path);
   char magic[4] = {};
   std::ifstream(path, std::ios::binary).read(magic, 4);
-  if (std::string_view(magic, 4) != std::string_view("PK\x03\x04", 4)) return safetensors::read(path);
+  if (std::string_view(magic, 4) != std::string_view("PK\x03\x04", 4)) return safetensors::map(path);
   TensorFile f;
   const auto view = checkpoint::View::read(path).sub(checkpoint::keys::state_dict);
   f.tensors = checkpoint::named_tensors(view);
@@ -83,18 +114,24 @@ inline TensorFile read_weights(const std::string& path) {
 /// Loads `file`'s tensors into `module` as `options` say (`origin` names the weights in messages).
 inline LoadedWeights load_weights(torch::nn::Module& module, const TensorFile& file,
                                   const LoadWeightsOptions& options, const std::string& origin) {
+  detail::check_rules(options.rename, "load_weights");
   checkpoint::NamedTensors named;
-  for (const auto& [name, t] : file.tensors) {
-    std::string k = name;
-    for (const auto& [from, to] : options.rename) {
-      if (k.rfind(from, 0) == 0) {
-        k = to + k.substr(from.size());
-        break;
+  for (auto& [name, t] : detail::transformed(file.tensors, options.transforms, origin)) {
+    std::string k = detail::renamed(name, options.rename);
+    if (!detail::begins_with_any(options.skip, k)) named.emplace_back(std::move(k), std::move(t));
+  }
+  std::set<std::string> kept;  // the module's own values stand in for what the file need not have
+  if (!options.keep.empty()) {
+    std::set<std::string> given;
+    for (const auto& [k, t] : named) given.insert(k);
+    const auto stand_in = [&](const std::string& name, const at::Tensor& value) {
+      if (value.defined() && !given.count(name) && detail::begins_with_any(options.keep, name)) {
+        named.emplace_back(name, value);
+        kept.insert(name);
       }
-    }
-    const bool skipped =
-        std::any_of(options.skip.begin(), options.skip.end(), [&](const std::string& p) { return k.rfind(p, 0) == 0; });
-    if (!skipped) named.emplace_back(std::move(k), t);
+    };
+    for (const auto& p : module.named_parameters(true)) stand_in(p.key(), p.value());
+    for (const auto& b : module.named_buffers(true)) stand_in(b.key(), b.value());
   }
   std::map<std::string, int> twice;
   for (const auto& [k, t] : named) {
@@ -105,7 +142,10 @@ inline LoadedWeights load_weights(torch::nn::Module& module, const TensorFile& f
   }
   auto m = checkpoint::match_weights(module, named, options.strict, origin);
   torch::NoGradGuard no_grad;
-  for (auto& [mine, theirs] : m.copies) mine.copy_(theirs);
+  for (auto& [mine, theirs] : m.copies) {
+    if (!mine.is_same(theirs)) mine.copy_(theirs);
+  }
+  std::erase_if(m.loaded, [&](const std::string& name) { return kept.count(name) > 0; });
   return {std::move(m.loaded), std::move(m.missing), std::move(m.unexpected)};
 }
 
@@ -113,6 +153,27 @@ inline LoadedWeights load_weights(torch::nn::Module& module, const TensorFile& f
 inline LoadedWeights load_weights(torch::nn::Module& module, const std::string& path,
                                   const LoadWeightsOptions& options = {}) {
   return load_weights(module, read_weights(path), options, path);
+}
+
+/// Writes `module`'s parameters and buffers into the folder `dir` as a Hugging Face model folder (`model.safetensors`,
+/// or shards and their index), renamed and transformed as `options` say, each file atomically; an earlier save's files
+/// that this one does not replace are removed. What `from_pretrained` reads beside the weights (`config.json`) is the
+/// model's to write.
+inline void save_weights(const torch::nn::Module& module, const std::string& dir, SaveWeightsOptions options = {}) {
+  detail::check_rules(options.rename, "save_weights");
+  std::vector<std::pair<std::string, at::Tensor>> kept;
+  for (const auto& e : checkpoint::module_state(module)) {
+    if (!detail::begins_with_any(options.skip, e.key())) kept.emplace_back(e.key(), e.value());
+  }
+  options.metadata.emplace("format", "pt");
+  TensorFile file{.tensors = {}, .metadata = std::move(options.metadata)};
+  std::map<std::string, int> twice;
+  for (auto& [name, t] : detail::transformed(std::move(kept), options.transforms, "the module", "nothing was written")) {
+    std::string k = detail::renamed(name, options.rename);
+    if (++twice[k] == 2) throw CheckpointError("volt: save_weights' renaming gives two tensors the name " + k + "; nothing was written.");
+    file.tensors.emplace_back(std::move(k), std::move(t));
+  }
+  hf::write_folder(dir, file, options.max_shard_bytes);
 }
 
 /// How `freeze` treats batch normalization (Lightning's `BaseFinetuning.freeze(train_bn=...)`).

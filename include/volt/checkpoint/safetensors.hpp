@@ -22,9 +22,10 @@
 ///
 /// Dtypes: BOOL, U8, I8, I16, I32, I64, F16, BF16, F32, F64, C64 on every LibTorch line; U16, U32, U64, F8_E4M3,
 /// F8_E5M2 (LibTorch's `Float8_e4m3fn`, `Float8_e5m2`) from LibTorch 2.3. The module-level calls
-/// (`volt::save_safetensors`, `volt::load_weights`) are volt/weights.hpp.
+/// (`volt::save_safetensors`, `volt::load_weights`) are volt/weights.hpp. `read` reads a file into memory; `map` maps it.
 
 #include "volt/checkpoint/files.hpp"
+#include "volt/detail/mapped_file.hpp"
 #include "volt/errors.hpp"
 
 #include <ATen/ATen.h>
@@ -40,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <string_view>
@@ -330,6 +332,38 @@ inline TensorFile read(const std::string& path) {
   for (const Entry& e : h.entries) {
     auto fill = [&](char* to, uint64_t bytes) { read_at(to, bytes, 8 + n + e.begin); };
     out.tensors.emplace_back(e.name, detail::make_tensor(e, fill, path));
+  }
+  return out;
+}
+
+/// Reads a safetensors file by mapping it, copy-on-write: each tensor a view of the file's pages, read from the disk
+/// when first touched, so a file held costs the pages in use, not its size, and no memory of the process's own; a
+/// tensor written to gets this process's copy of the pages, and the file never changes. The header is checked as
+/// `read` checks it; a tensor not aligned to its element size in the file, a boolean one (its bytes are checked) and an
+/// empty one are copies.
+inline TensorFile map(const std::string& path) {
+  std::shared_ptr<::volt::detail::MappedFile> file;
+  try {
+    file = std::make_shared<::volt::detail::MappedFile>(path, ::volt::detail::MappedFile::Access::copy_on_write);
+  } catch (const ::volt::detail::MapError& e) {
+    throw CheckpointError("volt: " + path + ": " + e.what());
+  }
+  const uint64_t size = file->bytes();
+  unsigned char first8[8] = {};
+  if (size >= 8) std::memcpy(first8, file->data(), 8);
+  const uint64_t n = detail::header_length(first8, size, path);
+  Header h = parse_header(std::string_view(reinterpret_cast<const char*>(file->data()) + 8, n), size - 8 - n, path);
+  TensorFile out{.tensors = {}, .metadata = std::move(h.metadata)};
+  unsigned char* base = file->data() + 8 + n;
+  for (const Entry& e : h.entries) {
+    unsigned char* bytes = base + e.begin;
+    const auto element = static_cast<uintptr_t>(c10::elementSize(e.dtype));
+    if (e.end == e.begin || e.dtype == at::kBool || reinterpret_cast<uintptr_t>(bytes) % element != 0) {
+      auto copy = [&](char* to, uint64_t count) { std::memcpy(to, bytes, count); };
+      out.tensors.emplace_back(e.name, detail::make_tensor(e, copy, path));
+    } else {
+      out.tensors.emplace_back(e.name, at::from_blob(bytes, e.shape, [file](void*) {}, at::TensorOptions().dtype(e.dtype)));
+    }
   }
   return out;
 }

@@ -16,17 +16,12 @@
 /// | `Windows::random` | nanoGPT's draw: `windows_per_epoch` windows (0: as many as tiled), each starting at a token drawn uniformly from `[0, tokens - block_size)` by the generator of (seed, epoch, window number), so a resume draws the same | each rank draws its own windows; they may overlap, as nanoGPT's ranks' do |
 
 #include "volt/data/stateful.hpp"
-
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include "volt/detail/mapped_file.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/data/example.h>
 #include <torch/types.h>
 
-#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -65,47 +60,6 @@ inline int64_t byte_size(TokenType t) {
 
 namespace detail {
 
-/// A file mapped read-only, unmapped with its last owner.
-class Mapping {
- public:
-  explicit Mapping(const std::filesystem::path& path) : path_(path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail("cannot open it: " + std::string(std::strerror(errno)));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int e = errno;
-      ::close(fd);
-      fail("cannot read its size: " + std::string(std::strerror(e)));
-    }
-    bytes_ = static_cast<std::size_t>(st.st_size);
-    if (bytes_ > 0) {
-      void* p = ::mmap(nullptr, bytes_, PROT_READ, MAP_SHARED, fd, 0);
-      if (p == MAP_FAILED) {
-        const int e = errno;
-        ::close(fd);
-        fail("cannot map it: " + std::string(std::strerror(e)));
-      }
-      data_ = static_cast<const unsigned char*>(p);
-    }
-    ::close(fd);  // the mapping keeps the file
-  }
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() {
-    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), bytes_);
-  }
-  const unsigned char* data() const { return data_; }
-  std::size_t bytes() const { return bytes_; }
-  [[noreturn]] void fail(const std::string& why) const {
-    throw std::invalid_argument("volt: token file " + path_.string() + ": " + why);
-  }
-
- private:
-  std::filesystem::path path_;
-  const unsigned char* data_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
 /// The value of `key` in a `.npy` header's dictionary (`{'descr': '<u2', 'fortran_order': False, 'shape': (9,), }`),
 /// as written: `'<u2'`, `False`, `(9,)`; empty when absent.
 inline std::string npy_field(std::string_view header, std::string_view key) {
@@ -128,15 +82,19 @@ inline std::string npy_field(std::string_view header, std::string_view key) {
 class TokenFile {
  public:
   /// `path`: a `.npy` file (its header gives the type), or raw ids of `raw_type`.
-  explicit TokenFile(const std::filesystem::path& path, TokenType raw_type = TokenType::uint16)
-      : map_(std::make_shared<const detail::Mapping>(path)), path_(path) {
+  explicit TokenFile(const std::filesystem::path& path, TokenType raw_type = TokenType::uint16) : path_(path) {
+    try {
+      map_ = std::make_shared<const ::volt::detail::MappedFile>(path);
+    } catch (const ::volt::detail::MapError& e) {
+      fail(e.what());
+    }
     std::size_t offset = 0;
     if (path.extension() == ".npy") {
       offset = read_npy_header();
     } else {
       type_ = raw_type;
       if (map_->bytes() % static_cast<std::size_t>(byte_size(type_)) != 0) {
-        map_->fail(std::to_string(map_->bytes()) + " bytes is not a whole number of " + to_string(type_) + " ids (" +
+        fail(std::to_string(map_->bytes()) + " bytes is not a whole number of " + to_string(type_) + " ids (" +
                    std::to_string(byte_size(type_)) + " bytes each); give its type (nanoGPT's .bin files hold uint16)");
       }
       size_ = static_cast<int64_t>(map_->bytes()) / byte_size(type_);
@@ -185,13 +143,13 @@ class TokenFile {
   std::size_t read_npy_header() {
     const unsigned char* b = map_->data();
     const std::size_t n = map_->bytes();
-    if (n < 10 || std::memcmp(b, "\x93NUMPY", 6) != 0) map_->fail("not a .npy file (no \\x93NUMPY magic)");
+    if (n < 10 || std::memcmp(b, "\x93NUMPY", 6) != 0) fail("not a .npy file (no \\x93NUMPY magic)");
     const int major = b[6];
     const std::size_t fixed = major == 1 ? 10 : 12;
-    if (major < 1 || major > 3 || n < fixed) map_->fail(".npy format " + std::to_string(major) + " is not known (1-3 are)");
+    if (major < 1 || major > 3 || n < fixed) fail(".npy format " + std::to_string(major) + " is not known (1-3 are)");
     const std::size_t header_len = major == 1 ? (b[8] | (b[9] << 8))
                                               : (b[8] | (b[9] << 8) | (b[10] << 16) | (std::size_t(b[11]) << 24));
-    if (fixed + header_len > n) map_->fail("the .npy header runs past the end of the file");
+    if (fixed + header_len > n) fail("the .npy header runs past the end of the file");
     const std::string_view header(reinterpret_cast<const char*>(b + fixed), header_len);
     const std::string descr = detail::npy_field(header, "descr");
     const std::string order = detail::npy_field(header, "fortran_order");
@@ -207,25 +165,29 @@ class TokenFile {
       }
     }
     if (!found) {
-      map_->fail("its ids are " + (descr.empty() ? std::string("of no stated type") : descr) +
+      fail("its ids are " + (descr.empty() ? std::string("of no stated type") : descr) +
                  "; token files hold '|u1', '<u2', '<i4', '<u4' or '<i8' (little-endian integers)");
     }
-    if (order != "False") map_->fail("its array is in Fortran order; save a C-ordered one");
+    if (order != "False") fail("its array is in Fortran order; save a C-ordered one");
     // A 1-D shape is "(N,)".
     if (shape.size() < 4 || shape.front() != '(' || shape.substr(shape.size() - 2) != ",)" ||
         shape.find(',') != shape.size() - 2) {
-      map_->fail("its shape is " + shape + "; a token file is one flat array, shape (N,)");
+      fail("its shape is " + shape + "; a token file is one flat array, shape (N,)");
     }
     size_ = std::stoll(shape.substr(1, shape.size() - 3));
     const std::size_t data_bytes = static_cast<std::size_t>(size_ * byte_size(type_));
     if (fixed + header_len + data_bytes != n) {
-      map_->fail("its header says " + std::to_string(size_) + " ids (" + std::to_string(data_bytes) + " bytes), and " +
+      fail("its header says " + std::to_string(size_) + " ids (" + std::to_string(data_bytes) + " bytes), and " +
                  std::to_string(n - fixed - header_len) + " bytes follow it");
     }
     return fixed + header_len;
   }
 
-  std::shared_ptr<const detail::Mapping> map_;
+  [[noreturn]] void fail(const std::string& why) const {
+    throw std::invalid_argument("volt: token file " + path_.string() + ": " + why);
+  }
+
+  std::shared_ptr<const ::volt::detail::MappedFile> map_;
   std::filesystem::path path_;
   const unsigned char* data_ = nullptr;
   int64_t size_ = 0;

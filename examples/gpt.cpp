@@ -4,7 +4,8 @@
 // checkpointing as an option, bfloat16 mixed precision on a GPU, a progress bar with tokens/s, validation loss,
 // TensorBoard, and at the end a sample of generated text.
 //
-//   gpt [--data.text=DIR | --data.tokens=FILE [--data.val_tokens=FILE]] [--data.batch_size=N] [--model.vocab=N] [--model.layers=N] [--model.width=N] [--model.heads=N]
+//   gpt [--data.text=DIR | --data.tokens=FILE [--data.val_tokens=FILE]] [--data.batch_size=N] [--model.vocab=N]
+//       [--model.layers=N] [--model.width=N] [--model.heads=N]
 //       [--model.context=N] [--model.dropout=X] [--model.checkpointing=K] [--model.lr=X] [--model.warmup=N]
 //       [--run.device=auto|cpu|cuda] [--run.strategy=single|ddp|zero|fsdp] [--run.sample=N] [--trainer.max_steps=N]
 //       [--trainer.accumulate_grad_batches=N] [--trainer.val_check_interval=N] [--trainer.limit_val_batches=N]

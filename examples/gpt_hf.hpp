@@ -1,11 +1,11 @@
 #pragma once
-// GPT-2's Hugging Face layout for the model of gpt_model.hpp, both ways: `gpt::from_pretrained(folder)` builds a GPT from
-// a folder transformers' `save_pretrained` wrote (config.json, and model.safetensors or shards with their index) and
-// loads its weights; `gpt::save_pretrained(net, folder)` writes a folder `GPT2LMHeadModel.from_pretrained` reads. The
-// layouts differ in names (`transformer.h.3.attn.c_attn` is `blocks.3.attn.qkv`) and in GPT-2's `Conv1D`, which keeps
-// its weights as [in, out] where a Linear keeps [out, in]: volt::load_weights and volt::save_weights rename and
-// transpose on the way. The head shares the token embedding in both (`tie_word_embeddings`), so `lm_head.weight` is
-// neither read nor written.
+// GPT-2's Hugging Face layout for the model of gpt_model.hpp, both ways: `gpt::from_pretrained(folder)` builds a GPT
+// from a folder transformers' `save_pretrained` wrote (config.json, and model.safetensors or shards with their
+// index) and loads its weights; `gpt::save_pretrained(net, folder)` writes a folder `GPT2LMHeadModel.from_pretrained`
+// reads. The layouts differ in names (`transformer.h.3.attn.c_attn` is `blocks.3.attn.qkv`) and in GPT-2's `Conv1D`,
+// which keeps its weights as [in, out] where a Linear keeps [out, in]: volt::load_weights and volt::save_weights
+// rename and transpose on the way. The head shares the token embedding in both (`tie_word_embeddings`), so
+// `lm_head.weight` is neither read nor written.
 
 #include "gpt_model.hpp"
 
@@ -54,7 +54,8 @@ inline GPT from_pretrained(const std::string& folder) {
   if (!c.is_object()) hf_layout::refuse(folder, "is not a JSON object");
   const auto get = [&](const char* key, auto fallback) { return c.value(key, fallback); };
   if (get("model_type", std::string()) != "gpt2") {
-    hf_layout::refuse(folder, "model_type is \"" + get("model_type", std::string()) + "\"; this model is GPT-2's (\"gpt2\")");
+    hf_layout::refuse(folder,
+                      "model_type is \"" + get("model_type", std::string()) + "\"; this model is GPT-2's (\"gpt2\")");
   }
   const std::string act = get("activation_function", std::string("gelu_new"));
   if (act != "gelu_new" && act != "gelu") {

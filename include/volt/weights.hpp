@@ -68,7 +68,8 @@ struct SaveWeightsOptions {
   std::vector<std::pair<std::string, std::string>> rename{};
   /// Applied to the tensors whose module names match, before renaming.
   std::vector<WeightTransform> transforms{};
-  /// Module names (prefixes, `*` as in rename) left out: a head that shares the embedding's weights, a buffer the other side computes.
+  /// Module names (prefixes, `*` as in rename) left out: a head that shares the embedding's weights, a buffer the
+  /// other side computes.
   std::vector<std::string> skip{};
   /// The files' `__metadata__`; `"format": "pt"` unless it says otherwise.
   std::map<std::string, std::string> metadata{};

@@ -94,8 +94,8 @@ constexpr bool check_logger() {
     }
     if constexpr (requires { &C::finalize; }) {
       static_assert(requires(C& c) { c.finalize(RunStatus::finished); },
-                    "volt: a logger's finalize has a signature volt does not call: it is `void finalize(volt::RunStatus "
-                    "status)`.");
+                    "volt: a logger's finalize has a signature volt does not call: it is `void "
+                    "finalize(volt::RunStatus status)`.");
     }
   }
   return true;

@@ -126,9 +126,9 @@ inline void check_rules(const std::vector<std::pair<std::string, std::string>>& 
   for (const auto& [from, to] : rules) {
     const auto stars = [](const std::string& s) { return std::count(s.begin(), s.end(), '*'); };
     if (stars(to) > stars(from)) {
-      throw std::invalid_argument("volt: " + who + " rename rule {\"" + from + "\", \"" + to + "\"} has more '*' in what "
-                                  "it writes than in what it matches; each '*' of the second takes the text of the same "
-                                  "'*' of the first.");
+      throw std::invalid_argument("volt: " + who + " rename rule {\"" + from + "\", \"" + to +
+                                  "\"} has more '*' in what it writes than in what it matches; each '*' of the second "
+                                  "takes the text of the same '*' of the first.");
     }
   }
 }
@@ -144,7 +144,9 @@ inline std::vector<std::pair<std::string, at::Tensor>> transformed(
       const WeightTransform& tr = transforms[i];
       if (!matches(tr.name, name)) continue;
       ++used[i];
-      if (!tr.apply) throw std::invalid_argument("volt: the transform for \"" + tr.name + "\" has no function (apply).");
+      if (!tr.apply) {
+        throw std::invalid_argument("volt: the transform for \"" + tr.name + "\" has no function (apply).");
+      }
       try {
         t = tr.apply(t);
       } catch (const std::exception& e) {
@@ -158,7 +160,9 @@ inline std::vector<std::pair<std::string, at::Tensor>> transformed(
   for (std::size_t i = 0; i < transforms.size(); ++i) {
     if (used[i] > 0) continue;
     std::string some;
-    for (std::size_t k = 0; k < std::min<std::size_t>(3, tensors.size()); ++k) some += (k ? ", " : "") + tensors[k].first;
+    for (std::size_t k = 0; k < std::min<std::size_t>(3, tensors.size()); ++k) {
+      some += (k ? ", " : "") + tensors[k].first;
+    }
     throw CheckpointError("volt: " + transforms[i].what + " for \"" + transforms[i].name + "\" matches no tensor of " +
                           origin + " (its names look like " + some + "); " + nothing + ".");
   }
@@ -221,7 +225,8 @@ inline TensorFile read_folder(const std::filesystem::path& path) {
     }
     const auto found = it->second.find(name);
     if (found == it->second.end()) {
-      throw CheckpointError("volt: " + index.string() + " puts \"" + name + "\" in " + f + ", which has no such tensor.");
+      throw CheckpointError("volt: " + index.string() + " puts \"" + name + "\" in " + f +
+                            ", which has no such tensor.");
     }
     out.tensors.emplace_back(name, found->second);
   }

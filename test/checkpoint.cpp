@@ -1249,7 +1249,7 @@ TEST_CASE("load_weights and save_weights: names with '*', per-tensor transforms,
     const int64_t grown = anonymous_resident() - before;
     INFO("anonymous resident memory grew by " << grown / 1024 << " KiB reading a " << (n * 4 >> 20) << " MiB file");
     CHECK(sum == static_cast<double>(n) * static_cast<double>(n - 1) / 2);  // 0 + 1 + ... + (n - 1)
-    CHECK(grown < (int64_t{16} << 20));
+    if (!vt::sanitized) CHECK(grown < (int64_t{16} << 20));
     // The tensors may be written: the pages are this process's copies, the file stays as it was.
     file.tensors.at(0).second.fill_(1);
     CHECK(volt::safetensors::read((dir / "big.safetensors").string()).tensors.at(0).second[5].item<float>() == 5.f);

@@ -25,6 +25,14 @@ using vt::scratch;
 using vt::take;
 
 namespace vt {
+
+/// Built with AddressSanitizer or ThreadSanitizer (the sanitizer lanes): their shadow memory makes resident memory
+/// say nothing about the code's own, so tests that measure it only read there.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool sanitized = true;
+#else
+inline constexpr bool sanitized = false;
+#endif
 /// Collects what std::cerr receives while it lives (warnings the library prints), and puts std::cerr back after,
 /// also when a check throws.
 class CaptureCerr {

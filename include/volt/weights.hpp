@@ -8,7 +8,7 @@
 ///   // r.loaded: the backbone's names; r.missing: the new head's; r.unexpected: none (skipped ones are not listed)
 ///   volt::load_weights(*model->backbone, "pretrained.safetensors", {.rename = {{"model.encoder.", ""}}});
 ///   volt::freeze(*model->backbone);                         // fine-tune the head only (volt::BackboneFinetuning)
-///   volt::save_weights(*model, "exported", {.max_shard_bytes = 5'000'000'000});  // save_pretrained's folder of weights
+///   volt::save_weights(*model, "exported", {.max_shard_bytes = 5'000'000'000});  // as save_pretrained lays them out
 /// \endcode
 ///
 /// | option of `load_weights` | meaning |
@@ -20,8 +20,8 @@
 /// | `transforms` | `{name, apply, what}` (volt/weights/layout.hpp): each tensor whose name in the file matches `name` (`*` as above, the whole name) goes through `apply` before renaming, in the order given: `volt::transform::transpose()` (GPT-2's `Conv1D` weights), `permute`, `reshape`, `cast`, `chain` of them; one that matches nothing is an error |
 ///
 /// Where the weights are: a safetensors file, a volt checkpoint, or a Hugging Face model folder (`model.safetensors`,
-/// or shards and `model.safetensors.index.json`; the index file itself will do). Safetensors files are mapped, not read:
-/// a tensor's pages are read as it is copied into the module, so loading needs no second copy of the weights in
+/// or shards and `model.safetensors.index.json`; the index file itself will do). Safetensors files are mapped, not
+/// read: a tensor's pages are read as it is copied into the module, so loading needs no second copy of the weights in
 /// memory. `save_weights` writes such a folder, renaming and transforming the module's names and tensors the same way
 /// (the transforms match the module's names), in shards of at most `max_shard_bytes` when given.
 ///
@@ -134,13 +134,7 @@ inline LoadedWeights load_weights(torch::nn::Module& module, const TensorFile& f
     for (const auto& p : module.named_parameters(true)) stand_in(p.key(), p.value());
     for (const auto& b : module.named_buffers(true)) stand_in(b.key(), b.value());
   }
-  std::map<std::string, int> twice;
-  for (const auto& [k, t] : named) {
-    if (++twice[k] == 2) {
-      throw CheckpointError("volt: renaming the weights in " + origin + " gives two tensors the name " + k +
-                            "; nothing was loaded.");
-    }
-  }
+  detail::check_unique(named, "renaming the weights in " + origin, "nothing was loaded");
   auto m = checkpoint::match_weights(module, named, options.strict, origin);
   torch::NoGradGuard no_grad;
   for (auto& [mine, theirs] : m.copies) {
@@ -168,12 +162,11 @@ inline void save_weights(const torch::nn::Module& module, const std::string& dir
   }
   options.metadata.emplace("format", "pt");
   TensorFile file{.tensors = {}, .metadata = std::move(options.metadata)};
-  std::map<std::string, int> twice;
-  for (auto& [name, t] : detail::transformed(std::move(kept), options.transforms, "the module", "nothing was written")) {
-    std::string k = detail::renamed(name, options.rename);
-    if (++twice[k] == 2) throw CheckpointError("volt: save_weights' renaming gives two tensors the name " + k + "; nothing was written.");
-    file.tensors.emplace_back(std::move(k), std::move(t));
+  auto transformed = detail::transformed(std::move(kept), options.transforms, "the module", "nothing was written");
+  for (auto& [name, t] : transformed) {
+    file.tensors.emplace_back(detail::renamed(name, options.rename), std::move(t));
   }
+  detail::check_unique(file.tensors, "save_weights' renaming", "nothing was written");
   hf::write_folder(dir, file, options.max_shard_bytes);
 }
 

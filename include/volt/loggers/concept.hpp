@@ -92,6 +92,10 @@ constexpr bool check_logger() {
                     "volt: a logger's log_hyperparams has a signature volt does not call: it is `void "
                     "log_hyperparams(const volt::Json& params)`.");
     }
+    if constexpr (requires { &C::flush; }) {
+      static_assert(requires(C& c) { c.flush(); },
+                    "volt: a logger's flush has a signature volt does not call: it is `void flush()`.");
+    }
     if constexpr (requires { &C::finalize; }) {
       static_assert(requires(C& c) { c.finalize(RunStatus::finished); },
                     "volt: a logger's finalize has a signature volt does not call: it is `void "
@@ -120,24 +124,34 @@ inline RunStatus run_status(std::exception_ptr error) {
   return RunStatus::failed;
 }
 
-/// The Trainer's calls of the hooks above, on the global rank zero (`global_zero`) only.
+/// Calls `call(logger)` for every logger `call` can take (a hook it needs states it in a requires-clause, as
+/// detail::first_answer's questions do; the loggers without that hook are passed over), on the global rank zero only.
+template <class Tuple, class Call>
+void call_loggers(Tuple& callbacks, bool global_zero, Call&& call) {
+  if (!global_zero) return;
+  for_each_logger(callbacks, [&](auto& l) {
+    if constexpr (std::is_invocable_v<Call&, decltype(l)>) call(l);
+  });
+}
+
+/// The Trainer's calls of the hooks above.
 template <class Tuple>
 void log_metrics(Tuple& callbacks, bool global_zero, const std::map<std::string, double>& metrics, int64_t step) {
-  if (global_zero) for_each_logger(callbacks, [&](auto& l) { l.log_metrics(metrics, step); });
+  call_loggers(callbacks, global_zero, [&](auto& l) { l.log_metrics(metrics, step); });
 }
 template <class Tuple>
 void log_hyperparams(Tuple& callbacks, bool global_zero, const Json& params) {
-  if (!global_zero) return;
-  for_each_logger(callbacks, [&](auto& l) {
-    if constexpr (requires { l.log_hyperparams(params); }) l.log_hyperparams(params);
+  call_loggers(callbacks, global_zero, [&](auto& l) requires requires { l.log_hyperparams(params); } {
+    l.log_hyperparams(params);
   });
 }
 template <class Tuple>
+void flush_loggers(Tuple& callbacks, bool global_zero) {
+  call_loggers(callbacks, global_zero, [](auto& l) requires requires { l.flush(); } { l.flush(); });
+}
+template <class Tuple>
 void finalize_loggers(Tuple& callbacks, bool global_zero, RunStatus status) {
-  if (!global_zero) return;
-  for_each_logger(callbacks, [&](auto& l) {
-    if constexpr (requires { l.finalize(status); }) l.finalize(status);
-  });
+  call_loggers(callbacks, global_zero, [&](auto& l) requires requires { l.finalize(status); } { l.finalize(status); });
 }
 
 }  // namespace detail

@@ -235,12 +235,10 @@ void Trainer<S, P, A, Cs...>::send_to_loggers(detail::MetricMap& metrics) {
   metrics.clear();
 }
 
-/// Every callback with a `flush()` writes what it holds (loggers/concept.hpp says when).
+/// Every logger with a `flush()` writes what it holds, on rank zero (loggers/concept.hpp says when).
 template <class S, class P, class A, class... Cs>
 void Trainer<S, P, A, Cs...>::flush_loggers() {
-  detail::for_each_callback(callbacks_, [](auto& c) {
-    if constexpr (requires { c.flush(); }) c.flush();
-  });
+  detail::flush_loggers(callbacks_, strategy_.is_global_zero());
 }
 
 /// See the declaration: callback_metrics (and the progress bar) now, loggers at once.

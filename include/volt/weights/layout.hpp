@@ -121,6 +121,17 @@ inline std::string renamed(const std::string& name, const std::vector<std::pair<
   return name;
 }
 
+/// Refuses two tensors of one name (`what`: how the names came to be, `nothing`: what is then not done).
+inline void check_unique(const std::vector<std::pair<std::string, at::Tensor>>& named, const std::string& what,
+                         const std::string& nothing) {
+  std::set<std::string> seen;
+  for (const auto& [k, t] : named) {
+    if (!seen.insert(k).second) {
+      throw CheckpointError("volt: " + what + " gives two tensors the name " + k + "; " + nothing + ".");
+    }
+  }
+}
+
 /// Refuses rules whose `to` has more `*` than their `from` (`who`: the call, for the message).
 inline void check_rules(const std::vector<std::pair<std::string, std::string>>& rules, const std::string& who) {
   for (const auto& [from, to] : rules) {
@@ -233,27 +244,22 @@ inline TensorFile read_folder(const std::filesystem::path& path) {
   return out;
 }
 
-/// The largest a shard may grow, and what went where.
-struct Shards {
-  std::vector<std::vector<std::size_t>> files;  ///< indices into the tensors, per shard
-};
-
-/// Tensors into shards of at most `max_bytes` each, in order (a tensor larger than that alone), as save_pretrained
-/// splits; one shard when `max_bytes` is 0.
-inline Shards split(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t max_bytes) {
-  Shards s;
+/// The tensors' indices in shards of at most `max_bytes` each, in order (a tensor larger than that alone), as
+/// save_pretrained splits; one shard when `max_bytes` is 0.
+inline std::vector<std::vector<std::size_t>> split(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                                   int64_t max_bytes) {
+  std::vector<std::vector<std::size_t>> shards(1);
   int64_t in_last = 0;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const int64_t bytes = tensors[i].second.numel() * tensors[i].second.element_size();
-    if (s.files.empty() || (max_bytes > 0 && in_last + bytes > max_bytes && !s.files.back().empty())) {
-      s.files.emplace_back();
+    if (max_bytes > 0 && in_last + bytes > max_bytes && !shards.back().empty()) {
+      shards.emplace_back();
       in_last = 0;
     }
-    s.files.back().push_back(i);
+    shards.back().push_back(i);
     in_last += bytes;
   }
-  if (s.files.empty()) s.files.emplace_back();
-  return s;
+  return shards;
 }
 
 /// Writes `file` into the folder `dir` as save_pretrained lays weights out: `model.safetensors`, or with `max_bytes`
@@ -263,20 +269,20 @@ inline Shards split(const std::vector<std::pair<std::string, at::Tensor>>& tenso
 inline void write_folder(const std::filesystem::path& dir, const TensorFile& file, int64_t max_bytes) {
   namespace fs = std::filesystem;
   fs::create_directories(dir);
-  const Shards s = split(file.tensors, max_bytes);
+  const auto shards = split(file.tensors, max_bytes);
   std::set<std::string> written;
-  if (s.files.size() == 1) {
+  if (shards.size() == 1) {
     safetensors::write((dir / kSingle).string(), file);
     written.insert(kSingle);
   } else {
     nlohmann::ordered_json index;
     int64_t total = 0;
     nlohmann::ordered_json map = nlohmann::ordered_json::object();
-    for (std::size_t k = 0; k < s.files.size(); ++k) {
+    for (std::size_t k = 0; k < shards.size(); ++k) {
       char name[64];
-      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, s.files.size());
+      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
       TensorFile part{.tensors = {}, .metadata = file.metadata};
-      for (std::size_t i : s.files[k]) {
+      for (std::size_t i : shards[k]) {
         part.tensors.push_back(file.tensors[i]);
         total += file.tensors[i].second.numel() * file.tensors[i].second.element_size();
         map[file.tensors[i].first] = name;

@@ -10,9 +10,10 @@
 # unoptimised Fortran, 10-15x slower on an MLP's step). OpenBLAS registers itself as that alternative with a higher
 # priority. Its OpenMP build runs on the same OpenMP runtime as LibTorch (libgomp), so a product called inside one of
 # LibTorch's parallel regions does not start a second team of threads (the pthread build would oversubscribe).
+# libcurl4-openssl-dev: the HTTP client of volt::MLFlowLogger (the volt::mlflow target; nothing else links it).
 set -euo pipefail
 packages=(g++ make cmake libtorch-dev libopenblas0-openmp libboost-mpi-dev openmpi-bin catch2 zlib1g-dev
-          nlohmann-json3-dev libpng-dev dataset-fashion-mnist)
+          nlohmann-json3-dev libpng-dev libcurl4-openssl-dev dataset-fashion-mnist)
 case "${1:-}" in
   # libblas3: a test forces the reference BLAS to see the notice; SLURM's daemons and commands, munge, iproute2 (ip
   # netns) and util-linux (unshare, nsenter): the cluster of emulated hosts

@@ -10,6 +10,7 @@
 /// | `void log_metrics(const std::map<std::string, double>& metrics, int64_t step)` | **required**: each logging event, `epoch` among the values, at the step values are filed under (`Trainer::logging_step`) |
 /// | `void log_hyperparams(const volt::Json& params)` | each run (fit, validate, test, predict) after the callbacks' `setup`, with the run's hyper-parameters (`Trainer::hyper_parameters`) when there are any |
 /// | `void flush()` | write what it holds: at each training epoch's end, after each validation or test run, on a stop signal, when a run fails and when a fit ends |
+/// | `void after_save_checkpoint(const std::vector<std::string>& files)` | a checkpoint save's files are all in place (the checkpoints, and the weights files beside them): after `Trainer::save_checkpoint` (ModelCheckpoint's saves, a stop signal's), on the checkpoint writer's thread when the save is asynchronous |
 /// | `void finalize(volt::RunStatus status)` | a run ends: `finished`, `failed` (an exception), or `interrupted` (a stop signal's `volt::Interrupted`, the fit to be resumed); after the last `flush` |
 ///
 /// **A type is a logger** when it declares `static constexpr bool is_logger = true` (volt's own do), or has a member
@@ -38,6 +39,7 @@
 #include <map>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace volt {
 
@@ -68,7 +70,8 @@ inline constexpr bool declares_logger = [] {
   if constexpr (requires { C::is_logger; }) {
     return static_cast<bool>(C::is_logger);
   } else {
-    return requires { &C::log_metrics; } || requires { &C::log_hyperparams; } || requires { &C::finalize; };
+    return requires { &C::log_metrics; } || requires { &C::log_hyperparams; } || requires { &C::finalize; } ||
+           requires { &C::after_save_checkpoint; };
   }
 }();
 
@@ -96,6 +99,11 @@ constexpr bool check_logger() {
       static_assert(requires(C& c) { c.flush(); },
                     "volt: a logger's flush has a signature volt does not call: it is `void flush()`.");
     }
+    if constexpr (requires { &C::after_save_checkpoint; }) {
+      static_assert(requires(C& c, const std::vector<std::string>& files) { c.after_save_checkpoint(files); },
+                    "volt: a logger's after_save_checkpoint has a signature volt does not call: it is `void "
+                    "after_save_checkpoint(const std::vector<std::string>& files)`.");
+    }
     if constexpr (requires { &C::finalize; }) {
       static_assert(requires(C& c) { c.finalize(RunStatus::finished); },
                     "volt: a logger's finalize has a signature volt does not call: it is `void "
@@ -111,6 +119,20 @@ void for_each_logger(Tuple& callbacks, F&& f) {
   for_each_callback(callbacks, [&](auto& c) {
     if constexpr (Logger<std::remove_cvref_t<decltype(c)>>) f(c);
   });
+}
+
+/// Calls `f(name, value)` for each leaf of a JSON object, named by its path (`trainer/max_epochs`), as Lightning's loggers
+/// flatten hyper-parameters; a list is one leaf.
+template <class F>
+void for_each_hparam(const Json& j, F&& f, const std::string& prefix = "") {
+  for (const auto& [k, v] : j.items()) {
+    const std::string name = prefix.empty() ? k : prefix + "/" + k;
+    if (v.is_object()) {
+      for_each_hparam(v, f, name);
+    } else {
+      f(name, v);
+    }
+  }
 }
 
 /// How a run that threw ended: a stop signal's `Interrupted`, or a failure.
@@ -148,6 +170,17 @@ void log_hyperparams(Tuple& callbacks, bool global_zero, const Json& params) {
 template <class Tuple>
 void flush_loggers(Tuple& callbacks, bool global_zero) {
   call_loggers(callbacks, global_zero, [](auto& l) requires requires { l.flush(); } { l.flush(); });
+}
+/// Whether a logger of the pack takes `after_save_checkpoint`.
+template <class C>
+inline constexpr bool hears_save = requires(C& c, const std::vector<std::string>& f) { c.after_save_checkpoint(f); };
+template <class... Cs>
+inline constexpr bool hears_saves = (hears_save<Cs> || ...);
+template <class Tuple>
+void after_save_checkpoint(Tuple& callbacks, bool global_zero, const std::vector<std::string>& files) {
+  call_loggers(callbacks, global_zero, [&](auto& l) requires requires { l.after_save_checkpoint(files); } {
+    l.after_save_checkpoint(files);
+  });
 }
 template <class Tuple>
 void finalize_loggers(Tuple& callbacks, bool global_zero, RunStatus status) {

@@ -100,7 +100,7 @@ class TensorBoardLogger {
     if (!session_pending_) return;
     session_pending_ = false;
     shown_hparams_ = options_.hparams;
-    if (shown_hparams_.empty()) flatten(params, "", shown_hparams_);
+    if (shown_hparams_.empty()) flatten(params, shown_hparams_);
     if (shown_hparams_.empty() && !options_.hparam_metrics.empty()) {
       throw std::invalid_argument("volt: TensorBoardLogger hparam_metrics are given without hparams: the HPARAMS tab "
                                   "shows metrics beside hyper-parameters; give Options::hparams, or the Trainer's "
@@ -141,12 +141,9 @@ class TensorBoardLogger {
 
  private:
   /// A JSON object's values as HPARAMS entries named by their path (`trainer/max_epochs`), as Lightning flattens them.
-  static void flatten(const Json& j, const std::string& prefix, std::map<std::string, tensorboard::HParam>& out) {
-    for (const auto& [k, v] : j.items()) {
-      const std::string name = prefix.empty() ? k : prefix + "/" + k;
-      if (v.is_object()) {
-        flatten(v, name, out);
-      } else if (v.is_boolean()) {
+  static void flatten(const Json& j, std::map<std::string, tensorboard::HParam>& out) {
+    detail::for_each_hparam(j, [&](const std::string& name, const Json& v) {
+      if (v.is_boolean()) {
         out.insert_or_assign(name, tensorboard::HParam(v.get<bool>()));
       } else if (v.is_number()) {
         out.insert_or_assign(name, tensorboard::HParam(v.get<double>()));
@@ -155,7 +152,7 @@ class TensorBoardLogger {
       } else {
         out.insert_or_assign(name, tensorboard::HParam(v.is_null() ? std::string("None") : v.dump()));
       }
-    }
+    });
   }
   static double now() {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();

@@ -99,22 +99,36 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
   checkpoint::Dict d = checkpoint::make_dict();
   if (strategy_.is_global_zero()) d.insert(checkpoint::keys::state_dict, weights);
   d = checkpoint_contents(std::move(d), optimizers, options.weights_only);  // collective
+  // The loggers hear of the files once they are all in place (after the caller's `done`).
+  std::function<void()> done = options.done;
+  if constexpr (detail::hears_saves<Cs...>) {
+    if (strategy_.is_global_zero()) {
+      std::vector<std::string> files = paths;
+      for (const auto& p : paths) {
+        if (options.safetensors) files.push_back(checkpoint::weights_beside(p));
+      }
+      done = [this, first = std::move(done), files = std::move(files)] {
+        if (first) first();
+        detail::after_save_checkpoint(callbacks_, true, files);
+      };
+    }
+  }
   if constexpr (requires { strategy_.state_slices(); }) {
     if (sharded) {
       writer_.wait();  // files land in the order they were saved
       checkpoint::ShardedSave s = detail::sharded_save_of(strategy_, *module_, params_, optim_, options.weights_only);
       s.meta = std::move(d);
       checkpoint::save_sharded(paths, s);
-      if (options.done && strategy_.is_global_zero()) options.done();
+      if (done && strategy_.is_global_zero()) done();
     }
   }
   if (!sharded && strategy_.is_global_zero()) {
     if (options.async_save) {
-      writer_.submit(paths, d, options.safetensors, options.done);
+      writer_.submit(paths, d, options.safetensors, done);
     } else {
       writer_.wait();  // files land in the order they were saved
       checkpoint::save(paths, std::move(d), options.safetensors);
-      if (options.done) options.done();
+      if (done) done();
     }
   }
   strategy_.barrier();

@@ -1,0 +1,480 @@
+#pragma once
+/// \file
+/// volt::MLFlowLogger: a run's metrics, hyper-parameters, tags, end status and (when asked) checkpoints, sent to an
+/// MLflow tracking server over its REST protocol, as Lightning's MLFlowLogger. Needs libcurl: link `volt::mlflow`
+/// (CMake) beside `volt::volt`; volt's other headers do not include this one.
+///
+/// \code
+///   // MLFLOW_TRACKING_URI=http://127.0.0.1:5000 (or Options::tracking_uri)
+///   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
+///       options, volt::CSVLogger{}, volt::MLFlowLogger({.experiment_name = "mnist", .log_model = volt::MLFlowLogger::LogModel::all}));
+/// \endcode
+///
+/// - **The run**: created in `experiment_name` (the experiment made when missing) at the first metric, flush or
+///   checkpoint of a run on the global rank zero, tagged with `tags`, `mlflow.runName`, `mlflow.user` and
+///   `mlflow.source.name`. Its id is kept in every checkpoint (`state_dict`), so a fit resumed from one continues the
+///   same run (set back to RUNNING); `Options::run_id` names one instead. A fit and a later test of one logger share
+///   the run.
+/// - **Parameters**: the run's hyper-parameters (`Trainer::save_hyperparameters`, the configuration a program ran
+///   with), flattened as Lightning's loggers do (`trainer/max_epochs`), each value as Python's `str` writes it (`5`,
+///   `0.001`, `True`, `None`, a list as its JSON). MLflow keeps a parameter's first value: a resumed run that changes
+///   one is told so in a warning, and its metrics still go.
+/// - **Metrics**: every logging event, at its step, `epoch` among them, with `prefix` (`<prefix>-name`) as Lightning;
+///   characters MLflow does not take in a name (other than letters, digits, `_ - . / space :`) are dropped, with a
+///   warning naming the metric. NaN and infinities are sent as such. They are sent by a thread of the logger, at most
+///   1000 in a request (the protocol's limit), so training does not wait on the server.
+/// - **The end**: FINISHED, FAILED (an exception) or KILLED (a stop signal, the fit to be resumed), once everything
+///   queued is sent (`finalize` waits for it).
+/// - **Checkpoints** (`log_model`): `all` uploads each file a save writes (`checkpoints/<file name>`, a sharded
+///   checkpoint's folder file by file) as it lands; `at_end` uploads, when a fit finishes, the latest file of each
+///   name that is still there (the top k and `last.ckpt`); through the server's artifact proxy (`mlflow server`
+///   serves artifacts by default), or copied when the run's artifact location is a local folder (`file:`).
+/// - **Failures do not stop training**: a server that cannot be reached, or keeps failing, through the retries of
+///   volt/loggers/mlflow_client.hpp (bounded: 47.5 s a call with the defaults, at once when refused) is one warning,
+///   after which the logger sends nothing more for the run; the other loggers go on. A call the server refuses (a bad
+///   value) is a warning too, once per message, and the logger goes on.
+/// - **Credentials** come from the environment as MLflow's client reads them (`MLFLOW_TRACKING_TOKEN`,
+///   `MLFLOW_TRACKING_USERNAME`/`PASSWORD`, `MLFLOW_TRACKING_INSECURE_TLS`, `MLFLOW_TRACKING_SERVER_CERT_PATH`), and
+///   never reach a message, a log, a checkpoint or the saved configuration. Writes nothing under fast_dev_run.
+
+#include "volt/loggers/concept.hpp"
+#include "volt/loggers/mlflow_client.hpp"
+#include "volt/checkpoint.hpp"
+#include "volt/stage.hpp"
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <deque>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace volt {
+
+class MLFlowLogger {
+ public:
+  static constexpr bool is_logger = true;
+
+  /// Which checkpoint files go to the run as artifacts (Lightning's `log_model`: False, True, "all").
+  enum class LogModel { none, at_end, all };
+  /// Its names in a configuration (volt/config/values.hpp): `none`, `at_end`, `all`.
+  friend constexpr auto volt_enum_names(LogModel) {
+    using P = std::pair<LogModel, std::string_view>;
+    return std::array{P{LogModel::none, "none"}, P{LogModel::at_end, "at_end"}, P{LogModel::all, "all"}};
+  }
+
+  struct Options {
+    /// The experiment the run goes to, made when the server has none of that name.
+    std::string experiment_name = "volt_logs";
+    /// The run's name (`mlflow.runName`); empty: the server picks one.
+    std::string run_name;
+    /// `http://host:port`; empty: `MLFLOW_TRACKING_URI`.
+    std::string tracking_uri;
+    /// Tags the run is created with.
+    std::map<std::string, std::string> tags;
+    LogModel log_model = LogModel::none;
+    /// Put before each metric's name, with a `-` (`train-loss`), as Lightning's `prefix`.
+    std::string prefix;
+    /// Where a new experiment keeps its artifacts; empty: the server's choice.
+    std::string artifact_location;
+    /// Continue this run (over the id a resumed checkpoint holds); empty: the checkpoint's, else a new run.
+    std::string run_id;
+    /// Override the environment's (`MLFLOW_HTTP_REQUEST_TIMEOUT`, `MLFLOW_HTTP_REQUEST_MAX_RETRIES`) and the first
+    /// wait between attempts; see volt/loggers/mlflow_client.hpp.
+    std::optional<double> timeout_s;
+    std::optional<int> max_retries;
+    std::optional<double> backoff_s;
+  };
+
+  MLFlowLogger() : MLFlowLogger(Options{}) {}
+  explicit MLFlowLogger(Options options) : options_(std::move(options)), shared_(std::make_shared<Shared>()) {
+    mlflow::Connection c = mlflow::Connection::from_environment(options_.tracking_uri);
+    if (options_.timeout_s) c.timeout_s = *options_.timeout_s;
+    if (options_.max_retries) c.max_retries = *options_.max_retries;
+    if (options_.backoff_s) c.backoff_s = *options_.backoff_s;
+    c.check();  // a missing or unusable URI, before any training
+    connection_ = std::move(c);
+  }
+  MLFlowLogger(MLFlowLogger&&) = default;
+  MLFlowLogger& operator=(MLFlowLogger&&) = delete;
+  ~MLFlowLogger() { stop(); }
+
+  /// The run's id ("" before the run starts, or when the server could not be reached).
+  std::string run_id() const {
+    std::lock_guard lock(shared_->m);
+    return shared_->run_id;
+  }
+  /// Whether the logger gave up on the server (after the one warning).
+  bool gave_up() const { return shared_->broken; }
+
+  template <class T, class M>
+  void setup(T& trainer, M&, Stage) {
+    enabled_ = trainer.is_global_zero() && !trainer.fast_dev_run();
+  }
+
+  /// A fit's run starts here, after a resumed checkpoint gave its id (so before any checkpoint of this fit); a
+  /// validate, test or predict run's at its first event.
+  template <class T, class M>
+  void on_fit_start(T&, M&) {
+    if (enabled_) start();
+  }
+
+  void log_hyperparams(const Json& params) {
+    if (!enabled_) return;
+    std::vector<Json> out;
+    detail::for_each_hparam(params, [&](const std::string& name, const Json& v) {
+      std::string value = v.is_string() ? v.get<std::string>()
+                          : v.is_boolean() ? (v.get<bool>() ? "True" : "False")
+                          : v.is_null()    ? "None"
+                                           : v.dump();
+      if (value.size() > kMaxParamLength) {
+        warn("parameter " + name + " is " + std::to_string(value.size()) + " characters long; MLflow keeps " +
+             std::to_string(kMaxParamLength) + ", so it is cut there");
+        value.resize(kMaxParamLength);
+      }
+      out.push_back(Json{{"key", name}, {"value", std::move(value)}});
+    });
+    enqueue([&](Work& w) { w.params.insert(w.params.end(), out.begin(), out.end()); });
+  }
+
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
+    if (!enabled_) return;
+    start();
+    const int64_t now = now_ms();
+    std::vector<Json> out;
+    out.reserve(metrics.size());
+    for (const auto& [name, value] : metrics) {
+      out.push_back(Json{{"key", metric_name(name)}, {"value", number(value)}, {"timestamp", now}, {"step", step}});
+    }
+    enqueue([&](Work& w) { w.metrics.insert(w.metrics.end(), out.begin(), out.end()); });
+  }
+
+  /// Wakes the sender (it sends as values come; `finalize` waits for it).
+  void flush() {
+    if (!enabled_) return;
+    start();
+    shared_->wake.notify_all();
+  }
+
+  /// Each file a checkpoint save wrote (the Trainer calls it once every file is in place; on the writer's thread for
+  /// asynchronous saves).
+  void after_save_checkpoint(const std::vector<std::string>& files) {
+    if (!enabled_ || options_.log_model == LogModel::none) return;
+    start();
+    if (options_.log_model == LogModel::all) {
+      enqueue([&](Work& w) { w.uploads.insert(w.uploads.end(), files.begin(), files.end()); });
+    } else {
+      std::lock_guard lock(shared_->m);
+      for (const auto& f : files) at_end_[std::filesystem::path(f).filename().string()] = f;
+    }
+  }
+
+  /// Ends the run with its status once everything queued is sent.
+  void finalize(RunStatus status) {
+    if (!enabled_) return;
+    start();
+    std::vector<std::string> uploads;
+    if (status == RunStatus::finished && options_.log_model == LogModel::at_end) {
+      std::lock_guard lock(shared_->m);
+      for (const auto& [name, file] : at_end_) uploads.push_back(file);
+      at_end_.clear();
+    }
+    enqueue([&](Work& w) {
+      w.uploads.insert(w.uploads.end(), uploads.begin(), uploads.end());
+      w.end = status;
+    });
+    drain();
+    std::lock_guard guard(shared_->start);
+    ended_ = true;
+  }
+
+  /// The run id, for a resumed fit to continue the run (waiting for the server's answer when the run is being opened).
+  checkpoint::Dict state_dict() const {
+    checkpoint::Dict d = checkpoint::make_dict();
+    d.insert("run_id", opened_run_id());
+    return d;
+  }
+  void load_state_dict(const checkpoint::Dict& d) {
+    if (d.contains("run_id") && options_.run_id.empty() && !started_) resumed_run_id_ = d.at("run_id").toStringRef();
+  }
+
+ private:
+  static constexpr std::size_t kMaxParamLength = 6000;  // MLflow's MAX_PARAM_VAL_LENGTH
+  static constexpr std::size_t kMaxBatch = 1000;        // entities in one log-batch request
+  static constexpr std::size_t kMaxParamsBatch = 100;   // parameters in one
+
+  struct Work {
+    std::vector<Json> params, metrics;
+    std::vector<std::string> uploads;
+    std::optional<RunStatus> end;
+    bool resume = false;  // set the run back to RUNNING first
+    bool empty() const { return params.empty() && metrics.empty() && uploads.empty() && !end && !resume; }
+  };
+  /// What the training thread and the sender share (behind a pointer: the logger moves).
+  struct Shared {
+    std::mutex m, start;
+    std::condition_variable wake, idle;
+    Work queue;
+    bool busy = false, stopping = false, opened = false;
+    std::string run_id, artifact_uri;
+    std::atomic<bool> broken{false};
+    std::set<std::string> said;  // warnings given, each once
+  };
+
+  /// Up to `n` items of `v` from `i`, as a JSON array.
+  static Json slice(const std::vector<Json>& v, std::size_t i, std::size_t n) {
+    Json out = Json::array();
+    for (std::size_t k = i; k < v.size() && k < i + n; ++k) out.push_back(v[k]);
+    return out;
+  }
+  static int64_t now_ms() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+  /// A double as protobuf's JSON writes one: non-finite values as strings.
+  static Json number(double v) {
+    if (std::isnan(v)) return "NaN";
+    if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+    return v;
+  }
+  std::string metric_name(const std::string& name) {
+    std::string out = options_.prefix.empty() ? name : options_.prefix + "-" + name;
+    std::string kept;
+    for (char ch : out) {
+      if (std::isalnum(static_cast<unsigned char>(ch)) || std::string_view("_-./ :").find(ch) != std::string_view::npos) {
+        kept += ch;
+      }
+    }
+    if (kept != out) warn("metric \"" + out + "\" has characters MLflow does not take in a name; sent as \"" + kept + "\"");
+    return kept;
+  }
+  void warn(const std::string& what) const {
+    std::lock_guard lock(shared_->m);
+    if (shared_->said.insert(what).second) std::cerr << "volt: MLFlowLogger: " << what << ".\n";
+  }
+
+  template <class F>
+  void enqueue(F&& add) {
+    {
+      std::lock_guard lock(shared_->m);
+      if (shared_->broken) return;
+      add(shared_->queue);
+    }
+    shared_->wake.notify_all();
+  }
+  void drain() {
+    std::unique_lock lock(shared_->m);
+    shared_->idle.wait(lock, [&] { return (shared_->queue.empty() && !shared_->busy) || !sender_.joinable(); });
+  }
+  std::string opened_run_id() const {
+    std::unique_lock lock(shared_->m);
+    if (enabled_ && started_) shared_->idle.wait(lock, [&] { return shared_->opened || shared_->broken; });
+    return shared_->run_id;
+  }
+  void stop() {
+    if (!shared_ || !sender_.joinable()) return;
+    {
+      std::lock_guard lock(shared_->m);
+      shared_->stopping = true;
+    }
+    shared_->wake.notify_all();
+    sender_.join();
+  }
+
+  /// The run starts (or a finished one of this logger goes on) on the first event after a restore could give it an
+  /// id; the sender thread starts with it.
+  void start() {
+    std::lock_guard guard(shared_->start);  // a save's hook may come from the checkpoint writer's thread
+    if (ended_) {
+      ended_ = false;
+      enqueue([](Work& w) { w.resume = true; });
+    }
+    if (started_) return;
+    started_ = true;
+    std::string id = options_.run_id.empty() ? resumed_run_id_ : options_.run_id;
+    sender_ = std::thread([shared = shared_, c = connection_, o = options_, id]() mutable {
+      send_loop(*shared, c, o, id);
+    });
+  }
+
+  static void send_loop(Shared& s, const mlflow::Connection& c, const Options& o, const std::string& id);
+  static void open_run(Shared& s, mlflow::Client& client, const Options& o, const std::string& id);
+  static void send(Shared& s, mlflow::Client& client, Work& w);
+  static void upload(Shared& s, mlflow::Client& client, const std::string& file);
+  static void note(Shared& s, const std::string& what) {
+    std::lock_guard lock(s.m);
+    if (s.said.insert(what).second) std::cerr << "volt: MLFlowLogger: " << what << ".\n";
+  }
+
+  Options options_;
+  mlflow::Connection connection_;
+  std::shared_ptr<Shared> shared_;
+  std::thread sender_;
+  std::map<std::string, std::string> at_end_;  // file name -> its latest path (log_model = at_end)
+  std::string resumed_run_id_;
+  bool enabled_ = false, started_ = false, ended_ = false;
+};
+
+/// The sender: opens the run, then sends what is queued until the logger stops. A server that cannot be reached is
+/// one warning, after which the queue is dropped and nothing more is sent.
+inline void MLFlowLogger::send_loop(Shared& s, const mlflow::Connection& c, const Options& o, const std::string& id) {
+  std::optional<mlflow::Client> client;
+  bool opened = false;
+  for (;;) {
+    Work w;
+    {
+      std::unique_lock lock(s.m);
+      s.wake.wait(lock, [&] { return s.stopping || !s.queue.empty() || !opened; });
+      if (s.stopping && (s.queue.empty() || s.broken)) break;
+      w = std::exchange(s.queue, Work{});
+      s.busy = true;
+    }
+    try {
+      if (!client) client.emplace(c);
+      if (!opened) open_run(s, *client, o, id);
+      opened = true;
+      send(s, *client, w);
+    } catch (const mlflow::Unreachable& e) {
+      note(s, std::string("the tracking server gave no answer, so nothing more of this run goes to MLflow (the other "
+                          "loggers go on): ") + e.what());
+      std::lock_guard lock(s.m);
+      s.broken = true;
+      s.queue = Work{};
+      opened = true;
+    } catch (const std::exception& e) {
+      note(s, e.what());
+      opened = true;
+    }
+    {
+      std::lock_guard lock(s.m);
+      s.busy = false;
+      s.opened = opened;
+    }
+    s.idle.notify_all();
+  }
+  s.idle.notify_all();
+}
+
+/// The run to log to: `id` when the server has it (set RUNNING again), else a new one in the experiment.
+inline void MLFlowLogger::open_run(Shared& s, mlflow::Client& client, const Options& o, const std::string& id) {
+  if (!id.empty()) {
+    try {
+      const Json run = client.get("runs/get", "run_id=" + client.escape(id));
+      client.post("runs/update", {{"run_id", id}, {"status", "RUNNING"}});
+      std::lock_guard lock(s.m);
+      s.run_id = id;
+      s.artifact_uri = run["run"]["info"].value("artifact_uri", std::string());
+      return;
+    } catch (const mlflow::Rejected& e) {
+      note(s, "run " + id + " could not be continued (" + e.what() + "); a new run starts");
+    }
+  }
+  std::string experiment;
+  try {
+    experiment = client.get("experiments/get-by-name", "experiment_name=" + client.escape(o.experiment_name))
+                     ["experiment"]["experiment_id"].get<std::string>();
+  } catch (const mlflow::Rejected& e) {
+    if (e.status != 404) throw;
+    Json body = {{"name", o.experiment_name}};
+    if (!o.artifact_location.empty()) body["artifact_location"] = o.artifact_location;
+    experiment = client.post("experiments/create", body)["experiment_id"].get<std::string>();
+  }
+  Json tags = Json::array();
+  auto tag = [&](const std::string& k, const std::string& v) { tags.push_back({{"key", k}, {"value", v}}); };
+  for (const auto& [k, v] : o.tags) tag(k, v);
+  if (!o.run_name.empty()) tag("mlflow.runName", o.run_name);
+  if (const char* user = std::getenv("USER")) tag("mlflow.user", user);
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) tag("mlflow.source.name", exe.string());
+  tag("mlflow.source.type", "LOCAL");
+  Json body = {{"experiment_id", experiment}, {"start_time", now_ms()}, {"tags", tags}};
+  if (!o.run_name.empty()) body["run_name"] = o.run_name;
+  const Json run = client.post("runs/create", body);
+  std::lock_guard lock(s.m);
+  s.run_id = run["run"]["info"]["run_id"].get<std::string>();
+  s.artifact_uri = run["run"]["info"].value("artifact_uri", std::string());
+}
+
+/// One piece of queued work: parameters (100 a request, apart from metrics so that a refused parameter loses no
+/// metric), metrics (1000 a request), uploads, then the run's status.
+inline void MLFlowLogger::send(Shared& s, mlflow::Client& client, Work& w) {
+  std::string id;
+  {
+    std::lock_guard lock(s.m);
+    id = s.run_id;
+  }
+  if (w.resume) client.post("runs/update", {{"run_id", id}, {"status", "RUNNING"}});
+  for (std::size_t i = 0; i < w.params.size(); i += kMaxParamsBatch) {
+    try {
+      client.post("runs/log-batch", {{"run_id", id}, {"params", slice(w.params, i, kMaxParamsBatch)}});
+    } catch (const mlflow::Rejected& e) {
+      note(s, std::string("the server kept earlier parameters (a resumed run changed one?): ") + e.what());
+    }
+  }
+  for (std::size_t i = 0; i < w.metrics.size(); i += kMaxBatch) {
+    client.post("runs/log-batch", {{"run_id", id}, {"metrics", slice(w.metrics, i, kMaxBatch)}});
+  }
+  for (const auto& file : w.uploads) upload(s, client, file);
+  if (w.end) {
+    const char* status = *w.end == RunStatus::finished ? "FINISHED" : *w.end == RunStatus::failed ? "FAILED" : "KILLED";
+    client.post("runs/update", {{"run_id", id}, {"status", status}, {"end_time", now_ms()}});
+  }
+}
+
+/// A checkpoint file (or a sharded checkpoint's folder, file by file) to `checkpoints/` among the run's artifacts.
+inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::string& file) {
+  std::string uri;
+  {
+    std::lock_guard lock(s.m);
+    uri = s.artifact_uri;
+  }
+  const std::filesystem::path root(file);
+  std::vector<std::pair<std::filesystem::path, std::string>> files;  // each file and its artifact path
+  std::error_code ec;
+  if (std::filesystem::is_directory(root, ec)) {
+    for (const auto& e : std::filesystem::recursive_directory_iterator(root, ec)) {
+      if (e.is_regular_file()) {
+        files.emplace_back(e.path(), "checkpoints/" + (root.filename() / e.path().lexically_relative(root)).string());
+      }
+    }
+  } else if (std::filesystem::is_regular_file(root, ec)) {
+    files.emplace_back(root, "checkpoints/" + root.filename().string());
+  } else {
+    return;  // left the top k (deleted) before its upload: nothing to send
+  }
+  const std::string proxy = "mlflow-artifacts:";
+  for (const auto& [path, name] : files) {
+    if (uri.rfind(proxy, 0) == 0) {
+      std::string rest = uri.substr(proxy.size());
+      if (rest.rfind("//", 0) == 0) rest = rest.substr(rest.find('/', 2) == std::string::npos ? rest.size() : rest.find('/', 2));
+      while (!rest.empty() && rest.front() == '/') rest.erase(0, 1);
+      client.upload(rest + "/" + name, path);
+    } else if (uri.rfind("file:", 0) == 0 || (!uri.empty() && uri.front() == '/')) {
+      std::string dir = uri.rfind("file://", 0) == 0 ? uri.substr(7) : uri.rfind("file:", 0) == 0 ? uri.substr(5) : uri;
+      const std::filesystem::path to = std::filesystem::path(dir) / name;
+      std::filesystem::create_directories(to.parent_path());
+      std::filesystem::copy_file(path, to, std::filesystem::copy_options::overwrite_existing);
+    } else {
+      note(s, "the run's artifacts are at " + uri + ", which volt cannot write to; serve them through the tracking "
+              "server (`mlflow server --serve-artifacts`, its default) to log checkpoints");
+      return;
+    }
+  }
+}
+
+}  // namespace volt

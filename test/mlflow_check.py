@@ -1,0 +1,288 @@
+"""volt's MLFlowLogger against a real MLflow tracking server, read back with MLflow's Python client.
+
+    python mlflow_check.py <mlflow_run>
+
+Starts `mlflow server` (the pinned MLflow of scripts/install-python-tools.sh --mlflow) on 127.0.0.1 with a SQLite
+store and an artifact folder in a temporary folder, behind gunicorn with an access log that records each request's
+Authorization header, and runs the test program test/mlflow.cpp:
+
+1. a reference fit without MLflow (its metrics.csv is what the others must log);
+2. a fit with the logger and MLFLOW_TRACKING_TOKEN, 1500 metrics more in its first step and every checkpoint uploaded:
+   the run FINISHED, each metric's history equal to the CSV logger's (NaN included), the 1500 metrics whole, the
+   parameters equal to the saved configuration (hparams.yaml, flattened as Lightning does), the tags, each uploaded
+   checkpoint equal to the file on disk; the token reached the server (access log) and is in no file the run wrote;
+3. a fit stopped by SIGTERM (basic authentication from MLFLOW_TRACKING_USERNAME/PASSWORD) and resumed: KILLED, then
+   the same run id FINISHED, the histories those of the reference run, the password in no file;
+4. the server hung (SIGSTOP) mid-fit, then killed (SIGKILL): each fit ends with the reference's metrics.csv, exit 0
+   and one warning, within the stated bound of the retries (mlflow_client.hpp), plus a margin for a loaded machine.
+
+Prints "mlflow ok" at the end. The server's process group and the temporary folder are removed in every case.
+"""
+
+import base64
+import csv
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+from mlflow.tracking import MlflowClient
+
+PROGRAM = sys.argv[1]
+TOKEN = "volt-test-token-5f0c2a9d"
+USER, PASSWORD = "volt-user", "volt-password-81e3b7"
+
+
+def fail(msg):
+    print("MISMATCH: " + msg)
+    sys.exit(1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`mlflow server` in its own process group (the group is what gets signalled and removed)."""
+
+    def __init__(self, root):
+        self.root = root
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.access_log = os.path.join(root, "access.log")
+        gunicorn = f"--access-logfile {self.access_log} --access-logformat '%(m)s %(U)s %({{authorization}}i)s'"
+        self.proc = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1",
+             "--backend-store-uri", "sqlite:///" + os.path.join(root, "mlflow.db"),
+             "--artifacts-destination", os.path.join(root, "artifacts"), "--gunicorn-opts", gunicorn],
+            stdout=open(os.path.join(root, "server.out"), "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.pgid = self.proc.pid
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.uri + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                print(open(os.path.join(root, "server.out")).read()[-3000:])
+                fail("the MLflow server did not start")
+            time.sleep(0.3)
+
+    def stop(self):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(self.pgid, sig)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        # Every process of the group is gone (workers included), checked by its group id.
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                os.killpg(self.pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        fail(f"processes of the server's group {self.pgid} are still there")
+
+
+def run(args, env_extra, expect_rc=0):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(env_extra)
+    start = time.time()
+    p = subprocess.run([PROGRAM] + args, env=env, capture_output=True, text=True, timeout=300)
+    seconds = time.time() - start
+    if p.returncode != expect_rc:
+        print(p.stdout[-3000:], p.stderr[-3000:])
+        fail(f"mlflow_run {' '.join(args)} exited with {p.returncode}, expected {expect_rc}")
+    run_id = ""
+    for line in p.stdout.splitlines():
+        if line.startswith("run id: "):
+            run_id = line[len("run id: "):]
+    return p, run_id, seconds
+
+
+def read_csv(root):
+    """{metric: [(step, value)]} from the CSV logger's metrics.csv under root (the one version there)."""
+    versions = sorted(os.listdir(os.path.join(root, "volt_logs")))
+    path = os.path.join(root, "volt_logs", versions[-1], "metrics.csv")
+    out = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"])
+            for k, v in row.items():
+                if k != "step" and v != "":
+                    out.setdefault(k, []).append((step, float(v)))
+    return out, os.path.dirname(path)
+
+
+def same_value(a, b):
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def check_histories(client, run_id, expected, what):
+    """Every metric of `expected` has exactly that history in the run; the run has no other metric."""
+    logged = set(client.get_run(run_id).data.metrics)
+    if logged != set(expected):
+        fail(f"{what}: the run's metrics {sorted(logged - set(expected))[:5]} / the CSV's "
+             f"{sorted(set(expected) - logged)[:5]} differ")
+    for key, rows in expected.items():
+        # MLflow's store keeps one of equal entries (same step, value and millisecond): the CSV's `epoch` at a step
+        # of a training row and a validation row is one entry there. So the histories compare as sets.
+        history = sorted({(m.step, "nan" if math.isnan(m.value) else m.value)
+                          for m in client.get_metric_history(run_id, key)}, key=str)
+        want = sorted({(s, "nan" if math.isnan(v) else v) for s, v in rows}, key=str)
+        if history != want:
+            extra = sorted(set(history) - set(want), key=str)[:4]
+            missing = sorted(set(want) - set(history), key=str)[:4]
+            fail(f"{what}: {key}'s history ({len(history)} entries) differs from the CSV's ({len(want)}): "
+                 f"only in MLflow {extra}, only in the CSV {missing}")
+
+
+def flatten(d, prefix=""):
+    """Lightning's flattening of hyper-parameters, each value as Python's str writes it (a list as JSON)."""
+    out = {}
+    for k, v in d.items():
+        name = f"{prefix}/{k}" if prefix else k
+        if isinstance(v, dict):
+            out.update(flatten(v, name))
+        elif isinstance(v, list):
+            import json
+            out[name] = json.dumps(v, separators=(",", ":"))
+        else:
+            out[name] = str(v)
+    return out
+
+
+def files_containing(root, secret):
+    hits = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                if secret.encode() in fh.read():
+                    hits.append(os.path.join(dirpath, f))
+    return hits
+
+
+def warnings_of(stderr):
+    return [line for line in stderr.splitlines() if "MLFlowLogger" in line]
+
+
+def main():
+    root = tempfile.mkdtemp(prefix="volt-mlflow-")
+    server = None
+    try:
+        os.makedirs(os.path.join(root, "server"))
+        server = Server(os.path.join(root, "server"))
+        client = MlflowClient(tracking_uri=server.uri)
+        common = ["--trainer.max_epochs=3"]
+
+        ref_dir = os.path.join(root, "ref")
+        _, _, ref_seconds = run(common + [f"--trainer.default_root_dir={ref_dir}", "--run.mlflow=false"], {})
+        reference, _ = read_csv(ref_dir)
+
+        # 2. A whole fit with a token, 1500 metrics more in its first step, each checkpoint uploaded.
+        fit_dir = os.path.join(root, "fit")
+        p, run_id, _ = run(common + [f"--trainer.default_root_dir={fit_dir}", "--run.wide=1500", "--run.experiment=fit"],
+                           {"MLFLOW_TRACKING_URI": server.uri, "MLFLOW_TRACKING_TOKEN": TOKEN})
+        if warnings_of(p.stderr):
+            fail("a clean fit warned: " + "; ".join(warnings_of(p.stderr)))
+        info = client.get_run(run_id)
+        if info.info.status != "FINISHED":
+            fail(f"the fit's run is {info.info.status}, not FINISHED")
+        csv_metrics, log_dir = read_csv(fit_dir)
+        if sum(k.startswith("wide/") for k in csv_metrics) != 1500:
+            fail("the CSV does not hold the 1500 metrics")
+        check_histories(client, run_id, csv_metrics, "fit")
+        with open(os.path.join(log_dir, "hparams.yaml")) as f:
+            params = flatten(yaml.safe_load(f))
+        if info.data.params != params:
+            diff = {k for k in set(params) | set(info.data.params) if params.get(k) != info.data.params.get(k)}
+            fail(f"the run's parameters differ from hparams.yaml at {sorted(diff)[:6]}")
+        if info.data.tags.get("suite") != "volt" or info.data.tags.get("mlflow.runName") != "regression":
+            fail(f"tags: {info.data.tags}")
+        uploaded = {os.path.basename(a.path) for a in client.list_artifacts(run_id, "checkpoints")}
+        on_disk = set(os.listdir(os.path.join(fit_dir, "checkpoints")))
+        if not on_disk <= uploaded or "last.ckpt" not in uploaded:
+            fail(f"uploaded checkpoints {sorted(uploaded)} do not include those on disk {sorted(on_disk)}")
+        for name in on_disk:
+            got = client.download_artifacts(run_id, "checkpoints/" + name, os.path.join(root, "download"))
+            if open(got, "rb").read() != open(os.path.join(fit_dir, "checkpoints", name), "rb").read():
+                fail(f"the uploaded {name} differs from the file")
+        if f"Bearer {TOKEN}" not in open(server.access_log).read():
+            fail("the token did not reach the server")
+        if files_containing(fit_dir, TOKEN):
+            fail(f"the token is written in {files_containing(fit_dir, TOKEN)}")
+        print(f"fit: FINISHED, {len(csv_metrics)} metrics' histories equal to the CSV's, {len(params)} parameters, "
+              f"{len(on_disk)} checkpoints uploaded whole, the token sent and in no file")
+
+        # 3. Stopped by SIGTERM at step 17 and resumed: one run, KILLED then FINISHED, the reference's histories.
+        stop_dir = os.path.join(root, "stop")
+        auth = {"MLFLOW_TRACKING_URI": server.uri, "MLFLOW_TRACKING_USERNAME": USER, "MLFLOW_TRACKING_PASSWORD": PASSWORD}
+        args = common + [f"--trainer.default_root_dir={stop_dir}", "--run.experiment=stop"]
+        run(args + ["--run.stop_at=17"], auth, expect_rc=143)  # the process ends with the signal: no id printed
+        runs = client.search_runs([client.get_experiment_by_name("stop").experiment_id])
+        if len(runs) != 1 or runs[0].info.status != "KILLED":
+            fail(f"the stopped fit left {[(r.info.run_id, r.info.status) for r in runs]}, not one KILLED run")
+        first_id = runs[0].info.run_id
+        _, second_id, _ = run(args + ["--run.resume=true"], auth)
+        if second_id != first_id:
+            fail(f"the resumed fit logged to run {second_id}, not {first_id}")
+        if client.get_run(first_id).info.status != "FINISHED":
+            fail("the resumed run did not finish")
+        runs = client.search_runs([client.get_experiment_by_name("stop").experiment_id])
+        if len(runs) != 1:
+            fail(f"the experiment holds {len(runs)} runs")
+        check_histories(client, first_id, reference, "stopped and resumed")
+        basic = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+        if basic not in open(server.access_log).read():
+            fail("the user name and password did not reach the server")
+        if files_containing(stop_dir, PASSWORD):
+            fail(f"the password is written in {files_containing(stop_dir, PASSWORD)}")
+        print(f"stopped at step 17 (KILLED) and resumed: run {first_id} FINISHED, histories equal to the reference's")
+
+        # 4. The server hung, then killed, mid-fit: the fits end as without the logger, with one warning.
+        bounds = {"STOP": 4 * 1.0 + 3.5, "KILL": 3.5}  # (retries + 1) x timeout + backoffs; refused: backoffs
+        for sig in ("STOP", "KILL"):
+            d = os.path.join(root, "freeze-" + sig)
+            p, _, seconds = run(common + [f"--trainer.default_root_dir={d}", "--run.timeout=1",
+                                          f"--run.freeze_group={server.pgid}", "--run.freeze_at=10",
+                                          f"--run.freeze_signal={sig}", "--run.experiment=freeze-" + sig],
+                                {"MLFLOW_TRACKING_URI": server.uri})
+            warned = warnings_of(p.stderr)
+            if len(warned) != 1 or "gave no answer" not in warned[0]:
+                fail(f"server {sig}: warnings {warned}")
+            got, _ = read_csv(d)
+            if got != reference and not all(len(got[k]) == len(reference[k]) and all(
+                    g[0] == r[0] and same_value(g[1], r[1]) for g, r in zip(got[k], reference[k])) for k in reference):
+                fail(f"server {sig}: the fit's metrics differ from the reference's")
+            extra = seconds - ref_seconds
+            if extra > bounds[sig] + 30:
+                fail(f"server {sig}: the fit took {extra:.1f} s longer than without MLflow (bound {bounds[sig]} s + 30)")
+            print(f"server {sig} at step 10: the fit ended as without the logger, one warning, {extra:+.1f} s "
+                  f"against the reference (bound {bounds[sig]} s)")
+            if sig == "STOP":
+                os.killpg(server.pgid, signal.SIGCONT)
+        print("mlflow ok")
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        if os.path.exists(root):
+            fail(f"{root} is still there")
+
+
+if __name__ == "__main__":
+    main()

@@ -262,10 +262,7 @@ class MLFlowLogger {
     if (kept != out) warn("metric \"" + out + "\" has characters MLflow does not take in a name; sent as \"" + kept + "\"");
     return kept;
   }
-  void warn(const std::string& what) const {
-    std::lock_guard lock(shared_->m);
-    if (shared_->said.insert(what).second) std::cerr << "volt: MLFlowLogger: " << what << ".\n";
-  }
+  void warn(const std::string& what) const { note(*shared_, what); }
 
   template <class F>
   void enqueue(F&& add) {
@@ -317,7 +314,9 @@ class MLFlowLogger {
   static void upload(Shared& s, mlflow::Client& client, const std::string& file);
   static void note(Shared& s, const std::string& what) {
     std::lock_guard lock(s.m);
-    if (s.said.insert(what).second) std::cerr << "volt: MLFlowLogger: " << what << ".\n";
+    if (s.said.insert(what).second) {
+      std::cerr << "volt: MLFlowLogger: " << what << (what.empty() || what.back() != '.' ? ".\n" : "\n");
+    }
   }
 
   Options options_;

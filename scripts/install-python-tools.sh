@@ -8,6 +8,9 @@
 #   --debian-torch: instead, an environment over Debian's /usr/bin/python3 that sees its packages (python3-torch)
 #                   and has safetensors from PyPI, for the tests that read volt's files with Python's torch
 #                   ($VOLT_DEBIAN_TORCH_VENV, default ~/.cache/volt/python-debian-torch); prints its python.
+#   --mlflow:       instead, an environment with MLflow 3.17.2 (its tracking server and Python client: the MLflow
+#                   logger's test starts one; $VOLT_MLFLOW_VENV, default ~/.cache/volt/python-mlflow, about 850 MB);
+#                   prints its python, or nothing (and a line on stderr) where it cannot be installed.
 set -euo pipefail
 source "$(dirname "$0")/python-venv.sh"
 if [ "${1:-}" = "--debian-torch" ]; then
@@ -16,6 +19,19 @@ if [ "${1:-}" = "--debian-torch" ]; then
   if ! "$venv/bin/python" -c 'import safetensors' 2>/dev/null; then
     echo "volt: installing safetensors into $venv" >&2
     "$venv/bin/python" -m pip install --quiet --progress-bar off safetensors >&2
+  fi
+  echo "$venv/bin/python"
+  exit 0
+fi
+if [ "${1:-}" = "--mlflow" ]; then
+  venv=${VOLT_MLFLOW_VENV:-$HOME/.cache/volt/python-mlflow}
+  volt_venv "$venv"
+  if ! "$venv/bin/python" -c 'import mlflow, yaml; assert mlflow.__version__ == "3.17.2"' 2>/dev/null; then
+    echo "volt: installing mlflow 3.17.2 into $venv" >&2
+    if ! "$venv/bin/python" -m pip install --quiet --progress-bar off mlflow==3.17.2 pyyaml >&2; then
+      echo "volt: mlflow could not be installed; the MLflow logger's test will be skipped" >&2
+      exit 0
+    fi
   fi
   echo "$venv/bin/python"
   exit 0

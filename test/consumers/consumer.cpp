@@ -1,6 +1,6 @@
 // A program using volt as a user would: fits a linear model and checks that the loss fell. It also removes a
 // folder tree with std::filesystem, which crashes when the program's link line lets pip's LibTorch own those
-// calls (volt::volt puts libstdc++ first; see the README).
+// calls (volt::volt puts libstdc++ first; see docs/install.md).
 #include <torch/torch.h>
 #include <volt/volt.hpp>
 

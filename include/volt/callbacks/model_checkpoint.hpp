@@ -59,7 +59,7 @@ namespace volt {
 /// when there is none yet), `"best"` from its best; `validate`, `test` and `predict` take the same names.
 /// A Trainer writes checkpoints through the ModelCheckpoint in its callbacks only (a stop signal's aside): Lightning's
 /// `enable_checkpointing=True` adds one unasked, volt does not, since the callbacks are the Trainer's type, chosen
-/// where it is declared (README, "Where volt departs from Lightning").
+/// where it is declared (docs/reference.md, "Where volt departs from Lightning").
 class ModelCheckpoint {
  public:
   using Mode = volt::Mode;

@@ -7,8 +7,8 @@
 ///
 /// Why not MPI's non-blocking collectives: Open MPI 4.1 runs them through libnbc, which progresses only inside MPI
 /// calls (nothing moves while backward computes) and picks a binomial reduce-and-broadcast all-reduce and a
-/// reduce-then-scatter reduce-scatter below 4 ranks: half the bus bandwidth of the blocking ones (README, "Speed
-/// across hosts"). PyTorch's MPI process group runs its collectives the same way, on one worker thread.
+/// reduce-then-scatter reduce-scatter below 4 ranks: half the bus bandwidth of the blocking ones (docs/distributed.md,
+/// "Speed across hosts"). PyTorch's MPI process group runs its collectives the same way, on one worker thread.
 ///
 /// `VOLT_COLLECTIVE_DELAY_US` (a debugging aid): each collective starts that many microseconds after the thread takes
 /// it, so that a buffer read before its wait, or freed or refilled while its collective may still run, shows as wrong

@@ -100,6 +100,20 @@ int fit(const volt::TrainerOptions& options, const RunOptions& run, const volt::
   return 0;
 }
 
+// docs/logging.md's block, compiled here (the fits above are what runs).
+template <class Module, class Loader>
+void docs_logging(const volt::TrainerOptions& options, const volt::Config& config, Module& net, Loader& train,
+                  Loader& val) {
+  // MLFLOW_TRACKING_URI=http://127.0.0.1:5000, and MLFLOW_TRACKING_TOKEN (or _USERNAME and _PASSWORD) where the
+  // server asks for credentials
+  auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
+      options, volt::CSVLogger{}, volt::ModelCheckpoint({.monitor = "val_loss", .save_last = true}),
+      volt::MLFlowLogger({.experiment_name = "mnist", .run_name = "baseline", .tags = {{"team", "vision"}},
+                          .log_model = volt::MLFlowLogger::LogModel::all}));
+  trainer.save_hyperparameters(config.json());  // the run's parameters
+  trainer.fit(net, train, val, "last");          // resumed: the same MLflow run goes on
+}
+
 int main(int argc, char** argv) try {
   volt::TrainerOptions trainer{.max_epochs = 3, .seed = 11, .log_every_n_steps = 1};
   RunOptions run;

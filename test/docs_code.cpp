@@ -28,6 +28,9 @@
 
 namespace fs = std::filesystem;
 
+// The blocks stay as the pages write them (test/docs_check.py compares them line for line).
+// clang-format off
+
 namespace {
 
 /// A tiny classifier with a backbone and a head (docs/weights.md and the fits below).
@@ -130,7 +133,8 @@ int run_with(const RunOptions& run, const volt::TrainerOptions& trainer, const M
 
 }  // namespace docs_configuration
 
-TEST_CASE("docs/configuration.md: the program reads flags, and a configuration picks a compiled Trainer type", "[docs]") {
+TEST_CASE("docs/configuration.md: the program reads flags, and a configuration picks a compiled Trainer type",
+          "[docs]") {
   using namespace docs_configuration;
   std::vector<std::string> args = {"train", "--trainer.max_epochs=7", "--model.width=128"};
   std::vector<char*> argv;
@@ -322,8 +326,8 @@ namespace docs_transformers {
 /// next token of `b.data`; here the targets are the ids themselves).
 inline std::pair<torch::Tensor, torch::Tensor> masked_cross_entropy(const torch::data::Example<>& b) {
   const auto real = b.target.ne(0);
-  const auto losses = torch::nn::functional::cross_entropy(
-      b.data.flatten(0, 1), b.target.flatten(), torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  const auto none = torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone);
+  const auto losses = torch::nn::functional::cross_entropy(b.data.flatten(0, 1), b.target.flatten(), none);
   return {(losses * real.flatten()).sum(), real.sum()};
 }
 
@@ -404,3 +408,4 @@ struct PlannedModule : torch::nn::Module {
 };
 
 }  // namespace docs_compiled_only
+// clang-format on

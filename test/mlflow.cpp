@@ -100,7 +100,8 @@ int fit(const volt::TrainerOptions& options, const RunOptions& run, const volt::
   return 0;
 }
 
-// docs/logging.md's block, compiled here (the fits above are what runs).
+// docs/logging.md's block, compiled here (the fits above are what runs). Kept as the page writes it:
+// clang-format off
 template <class Module, class Loader>
 void docs_logging(const volt::TrainerOptions& options, const volt::Config& config, Module& net, Loader& train,
                   Loader& val) {
@@ -113,6 +114,7 @@ void docs_logging(const volt::TrainerOptions& options, const volt::Config& confi
   trainer.save_hyperparameters(config.json());  // the run's parameters
   trainer.fit(net, train, val, "last");          // resumed: the same MLflow run goes on
 }
+// clang-format on
 
 int main(int argc, char** argv) try {
   volt::TrainerOptions trainer{.max_epochs = 3, .seed = 11, .log_every_n_steps = 1};
@@ -122,8 +124,11 @@ int main(int argc, char** argv) try {
   if (!config.parse(argc, argv)) return 0;
   if (!run.mlflow) return fit(trainer, run, config.json());
   return fit(trainer, run, config.json(),
-             volt::MLFlowLogger({.experiment_name = run.experiment, .run_name = "regression", .tags = {{"suite", "volt"}},
-                                 .log_model = run.log_model, .timeout_s = run.timeout}));
+             volt::MLFlowLogger({.experiment_name = run.experiment,
+                                 .run_name = "regression",
+                                 .tags = {{"suite", "volt"}},
+                                 .log_model = run.log_model,
+                                 .timeout_s = run.timeout}));
 } catch (const volt::ConfigError& e) {
   std::cerr << "mlflow_run: " << e.what() << "\n";
   return 2;

@@ -7,14 +7,16 @@
 /// \code
 ///   // MLFLOW_TRACKING_URI=http://127.0.0.1:5000 (or Options::tracking_uri)
 ///   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
-///       options, volt::CSVLogger{}, volt::MLFlowLogger({.experiment_name = "mnist", .log_model = volt::MLFlowLogger::LogModel::all}));
+///       options, volt::CSVLogger{},
+///       volt::MLFlowLogger({.experiment_name = "mnist", .log_model = volt::MLFlowLogger::LogModel::all}));
 /// \endcode
 ///
-/// - **The run**: created in `experiment_name` (the experiment made when missing) at the first metric, flush or
-///   checkpoint of a run on the global rank zero, tagged with `tags`, `mlflow.runName`, `mlflow.user` and
-///   `mlflow.source.name`. Its id is kept in every checkpoint (`state_dict`), so a fit resumed from one continues the
-///   same run (set back to RUNNING); `Options::run_id` names one instead. A fit and a later test of one logger share
-///   the run.
+/// - **The run**: created in `experiment_name` (the experiment made when missing) when a fit starts (a validate,
+///   test or predict run: at its first event), on the global rank zero, tagged with `tags`, `mlflow.runName`,
+///   `mlflow.user` and `mlflow.source.name`. Its id is kept in every checkpoint (`state_dict`), so a fit resumed from
+///   one continues the same run (set back to RUNNING); `Options::run_id` names one instead. A checkpoint taken before
+///   the server has answered the run's creation waits for the answer (at most the retries' bound). A fit and a later
+///   test of one logger share the run.
 /// - **Parameters**: the run's hyper-parameters (`Trainer::save_hyperparameters`, the configuration a program ran
 ///   with), flattened as Lightning's loggers do (`trainer/max_epochs`), each value as Python's `str` writes it (`5`,
 ///   `0.001`, `True`, `None`, a list as its JSON). MLflow keeps a parameter's first value: a resumed run that changes
@@ -137,7 +139,7 @@ class MLFlowLogger {
     if (!enabled_) return;
     std::vector<Json> out;
     detail::for_each_hparam(params, [&](const std::string& name, const Json& v) {
-      std::string value = v.is_string() ? v.get<std::string>()
+      std::string value = v.is_string()    ? v.get<std::string>()
                           : v.is_boolean() ? (v.get<bool>() ? "True" : "False")
                           : v.is_null()    ? "None"
                                            : v.dump();
@@ -255,11 +257,13 @@ class MLFlowLogger {
     std::string out = options_.prefix.empty() ? name : options_.prefix + "-" + name;
     std::string kept;
     for (char ch : out) {
-      if (std::isalnum(static_cast<unsigned char>(ch)) || std::string_view("_-./ :").find(ch) != std::string_view::npos) {
+      if (std::isalnum(static_cast<unsigned char>(ch)) ||
+          std::string_view("_-./ :").find(ch) != std::string_view::npos) {
         kept += ch;
       }
     }
-    if (kept != out) warn("metric \"" + out + "\" has characters MLflow does not take in a name; sent as \"" + kept + "\"");
+    if (kept != out)
+      warn("metric \"" + out + "\" has characters MLflow does not take in a name; sent as \"" + kept + "\"");
     return kept;
   }
   void warn(const std::string& what) const { note(*shared_, what); }
@@ -303,9 +307,8 @@ class MLFlowLogger {
     if (started_) return;
     started_ = true;
     std::string id = options_.run_id.empty() ? resumed_run_id_ : options_.run_id;
-    sender_ = std::thread([shared = shared_, c = connection_, o = options_, id]() mutable {
-      send_loop(*shared, c, o, id);
-    });
+    sender_ =
+        std::thread([shared = shared_, c = connection_, o = options_, id]() mutable { send_loop(*shared, c, o, id); });
   }
 
   static void send_loop(Shared& s, const mlflow::Connection& c, const Options& o, const std::string& id);
@@ -349,13 +352,19 @@ inline void MLFlowLogger::send_loop(Shared& s, const mlflow::Connection& c, cons
       send(s, *client, w);
     } catch (const mlflow::Unreachable& e) {
       note(s, std::string("the tracking server gave no answer, so nothing more of this run goes to MLflow (the other "
-                          "loggers go on): ") + e.what());
+                          "loggers go on): ") +
+                  e.what());
       std::lock_guard lock(s.m);
       s.broken = true;
       s.queue = Work{};
       opened = true;
     } catch (const std::exception& e) {
       note(s, e.what());
+      if (!opened) {  // no run to log to (credentials refused, say): nothing more is sent
+        std::lock_guard lock(s.m);
+        s.broken = true;
+        s.queue = Work{};
+      }
       opened = true;
     }
     {
@@ -384,8 +393,10 @@ inline void MLFlowLogger::open_run(Shared& s, mlflow::Client& client, const Opti
   }
   std::string experiment;
   try {
-    experiment = client.get("experiments/get-by-name", "experiment_name=" + client.escape(o.experiment_name))
-                     ["experiment"]["experiment_id"].get<std::string>();
+    experiment = client
+                     .get("experiments/get-by-name",
+                          "experiment_name=" + client.escape(o.experiment_name))["experiment"]["experiment_id"]
+                     .get<std::string>();
   } catch (const mlflow::Rejected& e) {
     if (e.status != 404) throw;
     Json body = {{"name", o.experiment_name}};
@@ -460,7 +471,8 @@ inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::s
   for (const auto& [path, name] : files) {
     if (uri.rfind(proxy, 0) == 0) {
       std::string rest = uri.substr(proxy.size());
-      if (rest.rfind("//", 0) == 0) rest = rest.substr(rest.find('/', 2) == std::string::npos ? rest.size() : rest.find('/', 2));
+      if (rest.rfind("//", 0) == 0)
+        rest = rest.substr(rest.find('/', 2) == std::string::npos ? rest.size() : rest.find('/', 2));
       while (!rest.empty() && rest.front() == '/') rest.erase(0, 1);
       client.upload(rest + "/" + name, path);
     } else if (uri.rfind("file:", 0) == 0 || (!uri.empty() && uri.front() == '/')) {
@@ -469,8 +481,9 @@ inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::s
       std::filesystem::create_directories(to.parent_path());
       std::filesystem::copy_file(path, to, std::filesystem::copy_options::overwrite_existing);
     } else {
-      note(s, "the run's artifacts are at " + uri + ", which volt cannot write to; serve them through the tracking "
-              "server (`mlflow server --serve-artifacts`, its default) to log checkpoints");
+      note(s, "the run's artifacts are at " + uri +
+                  ", which volt cannot write to; serve them through the tracking "
+                  "server (`mlflow server --serve-artifacts`, its default) to log checkpoints");
       return;
     }
   }

@@ -61,7 +61,8 @@ struct Connection {
     const std::string insecure = env("MLFLOW_TRACKING_INSECURE_TLS");
     c.insecure_tls = insecure == "true" || insecure == "True" || insecure == "1";
     c.server_cert_path = env("MLFLOW_TRACKING_SERVER_CERT_PATH");
-    if (const std::string t = env("MLFLOW_HTTP_REQUEST_TIMEOUT"); !t.empty()) c.timeout_s = number(t, "MLFLOW_HTTP_REQUEST_TIMEOUT");
+    if (const std::string t = env("MLFLOW_HTTP_REQUEST_TIMEOUT"); !t.empty())
+      c.timeout_s = number(t, "MLFLOW_HTTP_REQUEST_TIMEOUT");
     if (const std::string r = env("MLFLOW_HTTP_REQUEST_MAX_RETRIES"); !r.empty()) {
       c.max_retries = static_cast<int>(number(r, "MLFLOW_HTTP_REQUEST_MAX_RETRIES"));
     }
@@ -71,17 +72,19 @@ struct Connection {
   /// Refuses what cannot work, naming it: no URI, a scheme other than http(s), a negative bound.
   void check() const {
     if (tracking_uri.empty()) {
-      throw ConfigError("volt: MLFlowLogger has no tracking URI: give Options::tracking_uri or set MLFLOW_TRACKING_URI "
-                        "to the server's http://host:port (`mlflow server --host 127.0.0.1 --port 5000` starts one).");
+      throw ConfigError(
+          "volt: MLFlowLogger has no tracking URI: give Options::tracking_uri or set MLFLOW_TRACKING_URI "
+          "to the server's http://host:port (`mlflow server --host 127.0.0.1 --port 5000` starts one).");
     }
     if (tracking_uri.rfind("http://", 0) != 0 && tracking_uri.rfind("https://", 0) != 0) {
-      throw ConfigError("volt: MLFlowLogger's tracking URI \"" + redacted(tracking_uri) + "\" is not allowed: volt "
+      throw ConfigError("volt: MLFlowLogger's tracking URI \"" + redacted(tracking_uri) +
+                        "\" is not allowed: volt "
                         "speaks MLflow's REST protocol to a tracking server, so give http://host:port or https://...; "
                         "a local folder or database needs one (`mlflow server --backend-store-uri ...`).");
     }
     if (!(timeout_s > 0) || max_retries < 0 || !(backoff_s >= 0)) {
-      throw ConfigError("volt: MLFlowLogger timeout_s=" + std::to_string(timeout_s) + ", max_retries=" +
-                        std::to_string(max_retries) + ", backoff_s=" + std::to_string(backoff_s) +
+      throw ConfigError("volt: MLFlowLogger timeout_s=" + std::to_string(timeout_s) +
+                        ", max_retries=" + std::to_string(max_retries) + ", backoff_s=" + std::to_string(backoff_s) +
                         " are not allowed: give timeout_s > 0, max_retries >= 0, backoff_s >= 0.");
     }
   }
@@ -91,7 +94,8 @@ struct Connection {
     const auto scheme = uri.find("://");
     const auto at = uri.find('@', scheme == std::string::npos ? 0 : scheme + 3);
     const auto slash = uri.find('/', scheme == std::string::npos ? 0 : scheme + 3);
-    if (scheme == std::string::npos || at == std::string::npos || (slash != std::string::npos && at > slash)) return uri;
+    if (scheme == std::string::npos || at == std::string::npos || (slash != std::string::npos && at > slash))
+      return uri;
     return uri.substr(0, scheme + 3) + "***@" + uri.substr(at + 1);
   }
 
@@ -172,9 +176,9 @@ class Client {
       if (a.code == CURLE_OK && a.status >= 200 && a.status < 300) return a.body.empty() ? "{}" : a.body;
       const bool transient = a.code != CURLE_OK || a.status == 429 || a.status == 500 || a.status == 502 ||
                              a.status == 503 || a.status == 504;
-      const std::string what = std::string(method) + " " + path + " at " + Connection::redacted(c_.tracking_uri) +
-                               ": " + (a.code != CURLE_OK ? a.error : "HTTP " + std::to_string(a.status) + " " +
-                                                                          server_message(a.body));
+      const std::string what =
+          std::string(method) + " " + path + " at " + Connection::redacted(c_.tracking_uri) + ": " +
+          (a.code != CURLE_OK ? a.error : "HTTP " + std::to_string(a.status) + " " + server_message(a.body));
       if (!transient) throw Rejected(a.status, what);
       if (attempt >= c_.max_retries) {
         throw Unreachable(what + " (" + std::to_string(attempt + 1) + " attempts)");

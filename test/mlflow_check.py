@@ -52,10 +52,24 @@ def free_port():
 
 
 class Server:
-    """`mlflow server` in its own process group (the group is what gets signalled and removed)."""
+    """`mlflow server` in its own process group (the group is what gets signalled and removed). `start` starts it (on
+    another free port when the one drawn was taken before the server bound it) and waits until it answers."""
 
     def __init__(self, root):
         self.root = root
+        self.proc = None
+
+    def start(self):
+        for _ in range(3):
+            self.launch()
+            if self.ready():
+                return
+            self.stop()
+        print(open(os.path.join(self.root, "server.out")).read()[-3000:])
+        fail("the MLflow server did not start")
+
+    def launch(self):
+        root = self.root
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.access_log = os.path.join(root, "access.log")
@@ -67,35 +81,50 @@ class Server:
              "--artifacts-destination", os.path.join(root, "artifacts"), "--gunicorn-opts", gunicorn],
             stdout=open(os.path.join(root, "server.out"), "w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.pgid = self.proc.pid
+
+    def ready(self):
         deadline = time.time() + 120
-        while True:
+        while time.time() < deadline and self.proc.poll() is None:
             try:
                 with urllib.request.urlopen(self.uri + "/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return True
             except OSError:
                 pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                print(open(os.path.join(root, "server.out")).read()[-3000:])
-                fail("the MLflow server did not start")
             time.sleep(0.3)
+        return False
+
+    def group_alive(self):
+        """Processes of the server's group other than zombies (a zombie is gone but for its parent's wait)."""
+        alive = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == self.pgid and fields[0] != "Z":
+                alive.append(int(pid))
+        return alive
 
     def stop(self):
+        if self.proc is None:
+            return
         for sig in (signal.SIGCONT, signal.SIGKILL):
             try:
                 os.killpg(self.pgid, sig)
             except ProcessLookupError:
                 pass
         self.proc.wait()
+        self.proc = None
         # Every process of the group is gone (workers included), checked by its group id.
         deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                os.killpg(self.pgid, 0)
-            except ProcessLookupError:
-                return
+        while self.group_alive() and time.time() < deadline:
             time.sleep(0.1)
-        fail(f"processes of the server's group {self.pgid} are still there")
+        if self.group_alive():
+            fail(f"processes {self.group_alive()} of the server's group {self.pgid} are still there")
 
 
 def run(args, env_extra, expect_rc=0):
@@ -186,6 +215,7 @@ def main():
     try:
         os.makedirs(os.path.join(root, "server"))
         server = Server(os.path.join(root, "server"))
+        server.start()
         client = MlflowClient(tracking_uri=server.uri)
         common = ["--trainer.max_epochs=3"]
 
@@ -280,7 +310,7 @@ def main():
         if server is not None:
             server.stop()
         shutil.rmtree(root, ignore_errors=True)
-        if os.path.exists(root):
+        if os.path.exists(root) and sys.exc_info()[0] is None:
             fail(f"{root} is still there")
 
 

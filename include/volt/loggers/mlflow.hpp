@@ -125,28 +125,30 @@ class MLFlowLogger {
 
   template <class T, class M>
   void setup(T& trainer, M&, Stage) {
-    enabled_ = trainer.is_global_zero() && !trainer.fast_dev_run();
+    shared_->enabled = trainer.is_global_zero() && !trainer.fast_dev_run();
   }
 
   /// A fit's run starts here, after a resumed checkpoint gave its id (so before any checkpoint of this fit); a
   /// validate, test or predict run's at its first event.
   template <class T, class M>
   void on_fit_start(T&, M&) {
-    if (enabled_) start();
+    if (shared_->enabled) start();
   }
 
   void log_hyperparams(const Json& params) {
-    if (!enabled_) return;
+    if (!shared_->enabled) return;
     std::vector<Json> out;
     detail::for_each_hparam(params, [&](const std::string& name, const Json& v) {
       std::string value = v.is_string()    ? v.get<std::string>()
                           : v.is_boolean() ? (v.get<bool>() ? "True" : "False")
                           : v.is_null()    ? "None"
-                                           : v.dump();
+                                           : v.dump(-1, ' ', false, Json::error_handler_t::replace);
       if (value.size() > kMaxParamLength) {
-        warn("parameter " + name + " is " + std::to_string(value.size()) + " characters long; MLflow keeps " +
+        warn("parameter " + name + " is " + std::to_string(value.size()) + " bytes long; MLflow keeps " +
              std::to_string(kMaxParamLength) + ", so it is cut there");
-        value.resize(kMaxParamLength);
+        std::size_t n = kMaxParamLength;
+        while (n > 0 && (static_cast<unsigned char>(value[n]) & 0xC0) == 0x80) --n;  // not inside a UTF-8 character
+        value.resize(n);
       }
       out.push_back(Json{{"key", name}, {"value", std::move(value)}});
     });
@@ -154,46 +156,52 @@ class MLFlowLogger {
   }
 
   void log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
-    if (!enabled_) return;
+    if (!shared_->enabled) return;
     start();
     const int64_t now = now_ms();
     std::vector<Json> out;
     out.reserve(metrics.size());
     for (const auto& [name, value] : metrics) {
-      out.push_back(Json{{"key", metric_name(name)}, {"value", number(value)}, {"timestamp", now}, {"step", step}});
+      std::string key = metric_name(name);
+      if (key.empty()) continue;
+      out.push_back(Json{{"key", std::move(key)}, {"value", number(value)}, {"timestamp", now}, {"step", step}});
     }
     enqueue([&](Work& w) { w.metrics.insert(w.metrics.end(), out.begin(), out.end()); });
   }
 
   /// Wakes the sender (it sends as values come; `finalize` waits for it).
   void flush() {
-    if (!enabled_) return;
+    if (!shared_->enabled) return;
     start();
     shared_->wake.notify_all();
   }
 
   /// Each file a checkpoint save wrote (the Trainer calls it once every file is in place; on the writer's thread for
   /// asynchronous saves).
+  /// A save outside a run (after a fit) goes to the run as it stands, its status unchanged; none before a run.
   void after_save_checkpoint(const std::vector<std::string>& files) {
-    if (!enabled_ || options_.log_model == LogModel::none) return;
-    start();
+    if (!shared_->enabled || options_.log_model == LogModel::none) return;
+    {
+      std::lock_guard guard(shared_->start);
+      if (!shared_->started) return;
+    }
     if (options_.log_model == LogModel::all) {
       enqueue([&](Work& w) { w.uploads.insert(w.uploads.end(), files.begin(), files.end()); });
     } else {
       std::lock_guard lock(shared_->m);
-      for (const auto& f : files) at_end_[std::filesystem::path(f).filename().string()] = f;
+      for (const auto& f : files) shared_->at_end[std::filesystem::path(f).filename().string()] = f;
     }
   }
 
   /// Ends the run with its status once everything queued is sent.
   void finalize(RunStatus status) {
-    if (!enabled_) return;
+    if (!shared_->enabled) return;
     start();
     std::vector<std::string> uploads;
     if (status == RunStatus::finished && options_.log_model == LogModel::at_end) {
       std::lock_guard lock(shared_->m);
-      for (const auto& [name, file] : at_end_) uploads.push_back(file);
-      at_end_.clear();
+      for (const auto& [name, file] : shared_->at_end) uploads.push_back(file);
+      shared_->at_end.clear();
     }
     enqueue([&](Work& w) {
       w.uploads.insert(w.uploads.end(), uploads.begin(), uploads.end());
@@ -201,21 +209,35 @@ class MLFlowLogger {
     });
     drain();
     std::lock_guard guard(shared_->start);
-    ended_ = true;
+    shared_->ended = true;
   }
 
-  /// The run id, for a resumed fit to continue the run (waiting for the server's answer when the run is being opened).
+  /// The run id, for a resumed fit to continue the run (waiting for the server's answer when the run is being
+  /// opened), and under `at_end` the files to upload when the fit finishes.
   checkpoint::Dict state_dict() const {
     checkpoint::Dict d = checkpoint::make_dict();
     d.insert("run_id", opened_run_id());
+    checkpoint::Dict files = checkpoint::make_dict();
+    std::lock_guard lock(shared_->m);
+    for (const auto& [name, path] : shared_->at_end) files.insert(name, path);
+    d.insert("at_end", files);
     return d;
   }
   void load_state_dict(const checkpoint::Dict& d) {
-    if (d.contains("run_id") && options_.run_id.empty() && !started_) resumed_run_id_ = d.at("run_id").toStringRef();
+    std::lock_guard guard(shared_->start);
+    if (shared_->started) return;
+    if (d.contains("run_id") && options_.run_id.empty()) resumed_run_id_ = d.at("run_id").toStringRef();
+    std::lock_guard lock(shared_->m);
+    shared_->at_end.clear();
+    if (d.contains("at_end")) {
+      for (const auto& e : d.at("at_end").toGenericDict())
+        shared_->at_end[e.key().toStringRef()] = e.value().toStringRef();
+    }
   }
 
  private:
   static constexpr std::size_t kMaxParamLength = 6000;  // MLflow's MAX_PARAM_VAL_LENGTH
+  static constexpr std::size_t kMaxKeyLength = 250;     // MLflow's MAX_ENTITY_KEY_LENGTH
   static constexpr std::size_t kMaxBatch = 1000;        // entities in one log-batch request
   static constexpr std::size_t kMaxParamsBatch = 100;   // parameters in one
 
@@ -232,6 +254,9 @@ class MLFlowLogger {
     std::condition_variable wake, idle;
     Work queue;
     bool busy = false, stopping = false, opened = false;
+    std::atomic<bool> enabled{false};           // set by setup; read on the checkpoint writer's thread too
+    bool started = false, ended = false;        // under `start`
+    std::map<std::string, std::string> at_end;  // file name -> its latest path (log_model = at_end)
     std::string run_id, artifact_uri;
     std::atomic<bool> broken{false};
     std::set<std::string> said;  // warnings given, each once
@@ -262,8 +287,15 @@ class MLFlowLogger {
         kept += ch;
       }
     }
-    if (kept != out)
-      warn("metric \"" + out + "\" has characters MLflow does not take in a name; sent as \"" + kept + "\"");
+    if (kept != out) {
+      warn("metric \"" + out + "\" has characters MLflow does not take in a name; " +
+           (kept.empty() ? std::string("it is not sent") : "sent as \"" + kept + "\""));
+    }
+    if (kept.size() > kMaxKeyLength) {
+      warn("metric \"" + kept + "\" is longer than MLflow's " + std::to_string(kMaxKeyLength) +
+           " characters; cut there");
+      kept.resize(kMaxKeyLength);
+    }
     return kept;
   }
   void warn(const std::string& what) const { note(*shared_, what); }
@@ -282,8 +314,13 @@ class MLFlowLogger {
     shared_->idle.wait(lock, [&] { return (shared_->queue.empty() && !shared_->busy) || !sender_.joinable(); });
   }
   std::string opened_run_id() const {
+    bool started = false;
+    {
+      std::lock_guard guard(shared_->start);
+      started = shared_->started;
+    }
     std::unique_lock lock(shared_->m);
-    if (enabled_ && started_) shared_->idle.wait(lock, [&] { return shared_->opened || shared_->broken; });
+    if (shared_->enabled && started) shared_->idle.wait(lock, [&] { return shared_->opened || shared_->broken; });
     return shared_->run_id;
   }
   void stop() {
@@ -299,16 +336,16 @@ class MLFlowLogger {
   /// The run starts (or a finished one of this logger goes on) on the first event after a restore could give it an
   /// id; the sender thread starts with it.
   void start() {
-    std::lock_guard guard(shared_->start);  // a save's hook may come from the checkpoint writer's thread
-    if (ended_) {
-      ended_ = false;
+    std::lock_guard guard(shared_->start);
+    if (shared_->ended) {
+      shared_->ended = false;
       enqueue([](Work& w) { w.resume = true; });
     }
-    if (started_) return;
-    started_ = true;
+    if (shared_->started) return;
     std::string id = options_.run_id.empty() ? resumed_run_id_ : options_.run_id;
     sender_ =
         std::thread([shared = shared_, c = connection_, o = options_, id]() mutable { send_loop(*shared, c, o, id); });
+    shared_->started = true;
   }
 
   static void send_loop(Shared& s, const mlflow::Connection& c, const Options& o, const std::string& id);
@@ -326,9 +363,7 @@ class MLFlowLogger {
   mlflow::Connection connection_;
   std::shared_ptr<Shared> shared_;
   std::thread sender_;
-  std::map<std::string, std::string> at_end_;  // file name -> its latest path (log_model = at_end)
   std::string resumed_run_id_;
-  bool enabled_ = false, started_ = false, ended_ = false;
 };
 
 /// The sender: opens the run, then sends what is queued until the logger stops. A server that cannot be reached is
@@ -385,23 +420,28 @@ inline void MLFlowLogger::open_run(Shared& s, mlflow::Client& client, const Opti
       client.post("runs/update", {{"run_id", id}, {"status", "RUNNING"}});
       std::lock_guard lock(s.m);
       s.run_id = id;
-      s.artifact_uri = run["run"]["info"].value("artifact_uri", std::string());
+      s.artifact_uri = run.at("run").at("info").value("artifact_uri", std::string());
       return;
     } catch (const mlflow::Rejected& e) {
       note(s, "run " + id + " could not be continued (" + e.what() + "); a new run starts");
     }
   }
+  auto find = [&] {
+    const std::string query = "experiment_name=" + client.escape(o.experiment_name);
+    return client.get("experiments/get-by-name", query).at("experiment").at("experiment_id").get<std::string>();
+  };
   std::string experiment;
   try {
-    experiment = client
-                     .get("experiments/get-by-name",
-                          "experiment_name=" + client.escape(o.experiment_name))["experiment"]["experiment_id"]
-                     .get<std::string>();
+    experiment = find();
   } catch (const mlflow::Rejected& e) {
     if (e.status != 404) throw;
     Json body = {{"name", o.experiment_name}};
     if (!o.artifact_location.empty()) body["artifact_location"] = o.artifact_location;
-    experiment = client.post("experiments/create", body)["experiment_id"].get<std::string>();
+    try {
+      experiment = client.post("experiments/create", body).at("experiment_id").get<std::string>();
+    } catch (const mlflow::Rejected&) {
+      experiment = find();  // made meanwhile (another run, or a retried create that had gone through)
+    }
   }
   Json tags = Json::array();
   auto tag = [&](const std::string& k, const std::string& v) { tags.push_back({{"key", k}, {"value", v}}); };
@@ -416,8 +456,8 @@ inline void MLFlowLogger::open_run(Shared& s, mlflow::Client& client, const Opti
   if (!o.run_name.empty()) body["run_name"] = o.run_name;
   const Json run = client.post("runs/create", body);
   std::lock_guard lock(s.m);
-  s.run_id = run["run"]["info"]["run_id"].get<std::string>();
-  s.artifact_uri = run["run"]["info"].value("artifact_uri", std::string());
+  s.run_id = run.at("run").at("info").at("run_id").get<std::string>();
+  s.artifact_uri = run.at("run").at("info").value("artifact_uri", std::string());
 }
 
 /// One piece of queued work: parameters (100 a request, apart from metrics so that a refused parameter loses no
@@ -437,9 +477,21 @@ inline void MLFlowLogger::send(Shared& s, mlflow::Client& client, Work& w) {
     }
   }
   for (std::size_t i = 0; i < w.metrics.size(); i += kMaxBatch) {
-    client.post("runs/log-batch", {{"run_id", id}, {"metrics", slice(w.metrics, i, kMaxBatch)}});
+    try {
+      client.post("runs/log-batch", {{"run_id", id}, {"metrics", slice(w.metrics, i, kMaxBatch)}});
+    } catch (const mlflow::Rejected& e) {
+      note(s, std::string("metrics refused: ") + e.what());
+    }
   }
-  for (const auto& file : w.uploads) upload(s, client, file);
+  for (const auto& file : w.uploads) {
+    try {
+      upload(s, client, file);
+    } catch (const mlflow::Unreachable&) {
+      throw;
+    } catch (const std::exception& e) {
+      note(s, "checkpoint " + file + " not uploaded: " + e.what());
+    }
+  }
   if (w.end) {
     const char* status = *w.end == RunStatus::finished ? "FINISHED" : *w.end == RunStatus::failed ? "FAILED" : "KILLED";
     client.post("runs/update", {{"run_id", id}, {"status", status}, {"end_time", now_ms()}});
@@ -457,8 +509,10 @@ inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::s
   std::vector<std::pair<std::filesystem::path, std::string>> files;  // each file and its artifact path
   std::error_code ec;
   if (std::filesystem::is_directory(root, ec)) {
-    for (const auto& e : std::filesystem::recursive_directory_iterator(root, ec)) {
-      if (e.is_regular_file()) {
+    for (auto it = std::filesystem::recursive_directory_iterator(root, ec);
+         !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+      const auto& e = *it;
+      if (e.is_regular_file(ec)) {
         files.emplace_back(e.path(), "checkpoints/" + (root.filename() / e.path().lexically_relative(root)).string());
       }
     }
@@ -474,7 +528,9 @@ inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::s
       if (rest.rfind("//", 0) == 0)
         rest = rest.substr(rest.find('/', 2) == std::string::npos ? rest.size() : rest.find('/', 2));
       while (!rest.empty() && rest.front() == '/') rest.erase(0, 1);
-      client.upload(rest + "/" + name, path);
+      std::string escaped;  // each part of the name percent-encoded (a space, '#', '%')
+      for (const auto& part : std::filesystem::path(name)) escaped += "/" + client.escape(part.string());
+      client.upload(rest + escaped, path);  // a file gone by now (left the top k) is passed over
     } else if (uri.rfind("file:", 0) == 0 || (!uri.empty() && uri.front() == '/')) {
       std::string dir = uri.rfind("file://", 0) == 0 ? uri.substr(7) : uri.rfind("file:", 0) == 0 ? uri.substr(5) : uri;
       const std::filesystem::path to = std::filesystem::path(dir) / name;

@@ -14,10 +14,14 @@
 #include "volt/errors.hpp"
 
 #include <curl/curl.h>
+#include <sys/stat.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -89,14 +93,14 @@ struct Connection {
     }
   }
 
-  /// The URI without a `user:password@` part, for messages.
+  /// The URI without a `user:password@` part (with or without a scheme; a password may hold '@'), for messages.
   static std::string redacted(const std::string& uri) {
     const auto scheme = uri.find("://");
-    const auto at = uri.find('@', scheme == std::string::npos ? 0 : scheme + 3);
-    const auto slash = uri.find('/', scheme == std::string::npos ? 0 : scheme + 3);
-    if (scheme == std::string::npos || at == std::string::npos || (slash != std::string::npos && at > slash))
-      return uri;
-    return uri.substr(0, scheme + 3) + "***@" + uri.substr(at + 1);
+    const std::size_t from = scheme == std::string::npos ? 0 : scheme + 3;
+    const auto slash = uri.find('/', from);
+    const auto at = uri.rfind('@', slash == std::string::npos ? std::string::npos : slash);
+    if (at == std::string::npos || at < from) return uri;
+    return uri.substr(0, from) + "***@" + uri.substr(at + 1);
   }
 
  private:
@@ -141,15 +145,23 @@ class Client {
 
   /// `POST /api/2.0/mlflow/<endpoint>` with a JSON body; the answer's JSON. Retries as the file's comment says.
   Json post(const std::string& endpoint, const Json& body) {
-    return Json::parse(retried("POST", "/api/2.0/mlflow/" + endpoint, body.dump(), {}));
+    return Json::parse(retried("POST", "/api/2.0/mlflow/" + endpoint, dump(body), nullptr));
   }
   /// `GET /api/2.0/mlflow/<endpoint>?<query>` (the query's values already escaped: `escape`).
   Json get(const std::string& endpoint, const std::string& query) {
-    return Json::parse(retried("GET", "/api/2.0/mlflow/" + endpoint + "?" + query, "", {}));
+    return Json::parse(retried("GET", "/api/2.0/mlflow/" + endpoint + "?" + query, "", nullptr));
   }
-  /// `PUT /api/2.0/mlflow-artifacts/artifacts/<path>` with a file's bytes, streamed from the file.
-  void upload(const std::string& path, const std::filesystem::path& file) {
-    retried("PUT", "/api/2.0/mlflow-artifacts/artifacts/" + path, "", file);
+  /// `PUT /api/2.0/mlflow-artifacts/artifacts/<path>` (its parts escaped) with a file's bytes, streamed from the file
+  /// opened once (a file renamed over meanwhile, as `last.ckpt` is, still sends the bytes it had). A file that is gone
+  /// is passed over (false). An upload has no overall time limit: it fails when no byte moves for `timeout_s`.
+  bool upload(const std::string& path, const std::filesystem::path& file) {
+    std::unique_ptr<std::FILE, decltype(&std::fclose)> in(std::fopen(file.c_str(), "rb"), &std::fclose);
+    if (!in) {
+      if (errno == ENOENT) return false;
+      throw Rejected(0, "cannot read " + file.string() + ": " + std::strerror(errno));
+    }
+    retried("PUT", "/api/2.0/mlflow-artifacts/artifacts/" + path, "", in.get());
+    return true;
   }
 
   /// A URL query value or path part, percent-encoded.
@@ -168,14 +180,34 @@ class Client {
     std::string error;
   };
 
-  std::string retried(const char* method, const std::string& path, const std::string& body,
-                      const std::filesystem::path& file) {
+  /// JSON text, invalid UTF-8 in a string replaced rather than thrown on.
+  static std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+  /// Failures of the network (worth another attempt), as against a malformed URL or a TLS setting.
+  static bool network_failure(CURLcode code) {
+    switch (code) {
+      case CURLE_COULDNT_RESOLVE_PROXY:
+      case CURLE_COULDNT_RESOLVE_HOST:
+      case CURLE_COULDNT_CONNECT:
+      case CURLE_OPERATION_TIMEDOUT:
+      case CURLE_SEND_ERROR:
+      case CURLE_RECV_ERROR:
+      case CURLE_GOT_NOTHING:
+      case CURLE_PARTIAL_FILE:
+      case CURLE_HTTP2:
+      case CURLE_HTTP2_STREAM: return true;
+      default: return false;
+    }
+  }
+
+  std::string retried(const char* method, const std::string& path, const std::string& body, std::FILE* file) {
     double wait = c_.backoff_s;
     for (int attempt = 0;; ++attempt) {
+      if (file != nullptr) std::rewind(file);
       Answer a = once(method, path, body, file);
       if (a.code == CURLE_OK && a.status >= 200 && a.status < 300) return a.body.empty() ? "{}" : a.body;
-      const bool transient = a.code != CURLE_OK || a.status == 429 || a.status == 500 || a.status == 502 ||
-                             a.status == 503 || a.status == 504;
+      const bool transient = (a.code != CURLE_OK && network_failure(a.code)) || a.status == 429 || a.status == 500 ||
+                             a.status == 502 || a.status == 503 || a.status == 504;
       const std::string what =
           std::string(method) + " " + path + " at " + Connection::redacted(c_.tracking_uri) + ": " +
           (a.code != CURLE_OK ? a.error : "HTTP " + std::to_string(a.status) + " " + server_message(a.body));
@@ -203,14 +235,19 @@ class Client {
     return size * n;
   }
 
-  Answer once(const char* method, const std::string& path, const std::string& body, const std::filesystem::path& file) {
+  Answer once(const char* method, const std::string& path, const std::string& body, std::FILE* file) {
     Answer a;
     curl_easy_reset(curl_);
     const std::string url = c_.tracking_uri + path;
     curl_easy_setopt(curl_, CURLOPT_URL, url.c_str());
     curl_easy_setopt(curl_, CURLOPT_NOSIGNAL, 1L);  // timeouts without SIGALRM: the logger runs on its own thread
-    curl_easy_setopt(curl_, CURLOPT_TIMEOUT_MS, static_cast<long>(c_.timeout_s * 1000));
     curl_easy_setopt(curl_, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(c_.timeout_s * 1000));
+    if (file == nullptr) {
+      curl_easy_setopt(curl_, CURLOPT_TIMEOUT_MS, static_cast<long>(c_.timeout_s * 1000));
+    } else {  // a large file takes its time: the limit is on a transfer that stalls
+      curl_easy_setopt(curl_, CURLOPT_LOW_SPEED_LIMIT, 1L);
+      curl_easy_setopt(curl_, CURLOPT_LOW_SPEED_TIME, std::max(1L, static_cast<long>(c_.timeout_s)));
+    }
     curl_easy_setopt(curl_, CURLOPT_WRITEFUNCTION, &Client::collect);
     curl_easy_setopt(curl_, CURLOPT_WRITEDATA, &a.body);
     char error[CURL_ERROR_SIZE] = {0};
@@ -228,14 +265,14 @@ class Client {
     std::unique_ptr<curl_slist, decltype(&curl_slist_free_all)> headers(nullptr, &curl_slist_free_all);
     auto add = [&](const std::string& h) { headers.reset(curl_slist_append(headers.release(), h.c_str())); };
     if (!c_.token.empty()) add("Authorization: Bearer " + c_.token);
-    std::unique_ptr<std::FILE, decltype(&std::fclose)> in(nullptr, &std::fclose);
-    if (!file.empty()) {
-      in.reset(std::fopen(file.c_str(), "rb"));
-      if (!in) throw Rejected(0, "cannot read " + file.string());
+    if (file != nullptr) {
+      struct stat st {};
+      if (::fstat(::fileno(file), &st) != 0)
+        throw Rejected(0, std::string("cannot size a file: ") + std::strerror(errno));
       add("Content-Type: application/octet-stream");
       curl_easy_setopt(curl_, CURLOPT_UPLOAD, 1L);
-      curl_easy_setopt(curl_, CURLOPT_READDATA, in.get());
-      curl_easy_setopt(curl_, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(std::filesystem::file_size(file)));
+      curl_easy_setopt(curl_, CURLOPT_READDATA, file);
+      curl_easy_setopt(curl_, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(st.st_size));
     } else if (std::string(method) == "POST") {
       add("Content-Type: application/json");
       curl_easy_setopt(curl_, CURLOPT_POSTFIELDS, body.c_str());

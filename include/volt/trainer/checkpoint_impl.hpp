@@ -109,7 +109,11 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
       }
       done = [this, first = std::move(done), files = std::move(files)] {
         if (first) first();
-        detail::after_save_checkpoint(callbacks_, true, files);
+        try {  // the files are in place: a logger that fails to take them costs a warning, not the save
+          detail::after_save_checkpoint(callbacks_, true, files);
+        } catch (const std::exception& e) {
+          std::cerr << "volt: a logger's after_save_checkpoint failed: " << e.what() << "\n";
+        }
       };
     }
   }

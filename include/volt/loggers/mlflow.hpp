@@ -529,7 +529,10 @@ inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::s
         rest = rest.substr(rest.find('/', 2) == std::string::npos ? rest.size() : rest.find('/', 2));
       while (!rest.empty() && rest.front() == '/') rest.erase(0, 1);
       std::string escaped;  // each part of the name percent-encoded (a space, '#', '%')
-      for (const auto& part : std::filesystem::path(name)) escaped += "/" + client.escape(part.string());
+      for (const auto& part : std::filesystem::path(name)) {
+        escaped += '/';  // appended piece by piece: GCC 12 warns falsely on `"/" + std::string` here
+        escaped += client.escape(part.string());
+      }
       client.upload(rest + escaped, path);  // a file gone by now (left the top k) is passed over
     } else if (uri.rfind("file:", 0) == 0 || (!uri.empty() && uri.front() == '/')) {
       std::string dir = uri.rfind("file://", 0) == 0 ? uri.substr(7) : uri.rfind("file:", 0) == 0 ? uri.substr(5) : uri;

@@ -180,10 +180,14 @@ TEST_CASE("docs/checkpoints.md, logging.md, weights.md: the fits and weight move
   const fs::path dir = scratch("docs_code");
   const fs::path old = fs::current_path();
   fs::current_path(dir);  // the blocks write relative paths: checkpoints/, volt_logs/, model.safetensors
-  struct Back {
-    fs::path to;
-    ~Back() { fs::current_path(to); }
-  } back{old};
+  struct Back {  // the folder the test started in, and the scratch folder removed, also when a check throws
+    fs::path to, scratch;
+    ~Back() {
+      fs::current_path(to);
+      std::error_code ec;
+      fs::remove_all(scratch, ec);
+    }
+  } back{old, dir};
   torch::manual_seed(1);
   Data d;
   auto train = d.loader(), val = d.loader();
@@ -317,6 +321,7 @@ TEST_CASE("docs/manual_optimization.md: the GAN block steps both players each ba
   CHECK(trainer.global_step() == 8);  // 4 batches, two optimizer steps each
   CHECK_FALSE(torch::equal(gan.generator->weight, g0));
   CHECK_FALSE(torch::equal(gan.discriminator->weight, d0));
+  fs::remove_all(dir);
 }
 
 // ---- docs/transformers.md -----------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ Prints "mlflow ok" at the end. The server's process group and the temporary fold
 
 import base64
 import csv
+import json
 import math
 import os
 import shutil
@@ -188,7 +189,6 @@ def flatten(d, prefix=""):
         if isinstance(v, dict):
             out.update(flatten(v, name))
         elif isinstance(v, list):
-            import json
             out[name] = json.dumps(v, separators=(",", ":"))
         else:
             out[name] = str(v)

@@ -45,6 +45,7 @@
 
 #include "../examples/gpt_model.hpp"
 #include "support/models.hpp"
+#include "support/proc.hpp"
 #include "support/trace.hpp"
 
 #include <sched.h>
@@ -1121,6 +1122,8 @@ int predict_scenario(int world) {
     }
   }
   if (trainer.is_global_zero()) check_written(dir, trainer.strategy().world_size(), torch::cat(want));
+  trainer.strategy().barrier();  // every rank has read what it checks: the folder goes
+  if (trainer.is_global_zero()) std::filesystem::remove_all(dir);
   if constexpr (std::is_same_v<L, volt::Script>) check_placement(trainer.strategy());
   check(metrics.at("val_count") == static_cast<double>(n), "validation counted " + std::to_string(metrics.at("val_count")) +
                                                                " samples of " + std::to_string(n));
@@ -1877,9 +1880,22 @@ int fail_scenario(int rank, int step, const std::string& how) {
 
 /// Runs `argv` with its output captured; passes when it exits non-zero within `timeout` seconds, its output
 /// contains every one of `messages`, and no process carrying `token` in its command line remains afterwards.
+/// The job's Open MPI session folders go under a folder of this run's, removed at the end: a job whose rank failed
+/// leaves its job family's empty folder (ompi.<host>.<uid>/jf.<n>) behind.
 int expect_failure(double timeout, const std::vector<std::string>& messages, std::vector<std::string> args,
                    const std::string& token, bool any_status) {
-  const std::string out_path = std::filesystem::temp_directory_path() / ("volt_expect_" + std::to_string(::getpid()) + ".log");
+  const std::filesystem::path scratch =
+      std::filesystem::temp_directory_path() / ("volt_expect_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(scratch);
+  std::filesystem::create_directories(scratch);
+  const std::string out_path = scratch / "output.log";
+  std::vector<std::string> env_strings{"OMPI_MCA_orte_tmpdir_base=" + scratch.string()};
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::strncmp(*e, "OMPI_MCA_orte_tmpdir_base=", 26) != 0) env_strings.emplace_back(*e);
+  }
+  std::vector<char*> env;
+  for (auto& e : env_strings) env.push_back(e.data());
+  env.push_back(nullptr);
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -1889,7 +1905,7 @@ int expect_failure(double timeout, const std::vector<std::string>& messages, std
   argv.push_back(nullptr);
   pid_t pid = 0;
   const auto start = std::chrono::steady_clock::now();
-  if (posix_spawnp(&pid, argv[0], &fa, nullptr, argv.data(), environ) != 0) {
+  if (posix_spawnp(&pid, argv[0], &fa, nullptr, argv.data(), env.data()) != 0) {
     std::cerr << "cannot start " << args[0] << std::endl;
     return 1;
   }
@@ -1909,7 +1925,6 @@ int expect_failure(double timeout, const std::vector<std::string>& messages, std
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::ifstream in(out_path);
   const std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::filesystem::remove(out_path);
   std::cout << "---- output of the failing job ----\n" << output << "---- (" << took << " s) ----" << std::endl;
   check(!timed_out, "the job ended within " + std::to_string(timeout) + " s");
   check(any_status || (WIFEXITED(status) ? WEXITSTATUS(status) != 0 : true), "the job exited non-zero");
@@ -1922,11 +1937,8 @@ int expect_failure(double timeout, const std::vector<std::string>& messages, std
   for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
     const std::string name = entry.path().filename();
     if (name.find_first_not_of("0123456789") != std::string::npos || std::stoi(name) == ::getpid()) continue;
-    std::ifstream cmd(entry.path() / "cmdline", std::ios::binary);
-    std::string line((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
-    std::ifstream stat_file(entry.path() / "stat");
-    std::string stat_line;
-    std::getline(stat_file, stat_line);
+    std::string line = vt::proc_file(name, "cmdline");
+    const std::string stat_line = vt::proc_file(name, "stat");
     const auto close = stat_line.rfind(')');
     const bool zombie = close != std::string::npos && close + 2 < stat_line.size() && stat_line[close + 2] == 'Z';
     if (!zombie && line.find(token) != std::string::npos) {
@@ -1936,6 +1948,7 @@ int expect_failure(double timeout, const std::vector<std::string>& messages, std
     }
   }
   check(left == 0, "no process of the job is left behind");
+  std::filesystem::remove_all(scratch);
   return failures == 0 ? 0 : 1;
 }
 

@@ -80,7 +80,8 @@ class Server:
              "--port", str(self.port), "--workers", "1",
              "--backend-store-uri", "sqlite:///" + os.path.join(root, "mlflow.db"),
              "--artifacts-destination", os.path.join(root, "artifacts"), "--gunicorn-opts", gunicorn],
-            stdout=open(os.path.join(root, "server.out"), "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=open(os.path.join(root, "server.out"), "w"), stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(os.environ, TMPDIR=root))  # its store's lock file (db_init_lock-*) goes with the folder
         self.pgid = self.proc.pid
 
     def ready(self):

@@ -37,6 +37,7 @@
 
 #include "../examples/quickstart_net.hpp"
 #include "support/models.hpp"
+#include "support/proc.hpp"
 #include "support/processes.hpp"
 
 #include <signal.h>
@@ -1009,8 +1010,7 @@ int node_loss_case(const std::string& dir, const std::string& cluster) {
     for (const auto& entry : fs::directory_iterator("/proc")) {
       const std::string name = entry.path().filename();
       if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-      std::ifstream cmd(entry.path() / "cmdline", std::ios::binary);
-      const std::string line((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
+      const std::string line = vt::proc_file(name, "cmdline");
       if (line.find("index-fit") != std::string::npos && line.find(mark) != std::string::npos &&
           line.rfind("srun", 0) != 0 && line.find("/srun") == std::string::npos) {
         ++left;

@@ -31,7 +31,7 @@ endfunction()
 
 # Multi-process tests: 2 ranks on 2 cores, through mpirun, Script's self-relaunch and Spawn.
 add_executable(distributed distributed.cpp)
-volt_own_target(distributed)
+volt_own_target(distributed OPTIMIZATION "${VOLT_TESTS_OPTIMIZATION}")
 target_precompile_headers(distributed PRIVATE <torch/torch.h>)
 if(VOLT_NCCL_FOUND)  # gpu-ddp: DDP over NCCL on the GPU host
   target_link_libraries(distributed PRIVATE volt::nccl)
@@ -128,7 +128,7 @@ set_tests_properties(gpu PROPERTIES RESOURCE_LOCK gpu)
 
 # Resuming in new processes: SIGKILL at a random step, kills during writes, 2 ranks, N -> M ranks, Python.
 add_executable(resume resume.cpp)
-volt_own_target(resume)
+volt_own_target(resume OPTIMIZATION "${VOLT_TESTS_OPTIMIZATION}")
 target_precompile_headers(resume REUSE_FROM distributed)
 target_precompile_headers(volt_static_tests REUSE_FROM distributed)  # the same definitions (volt::nccl where found)
 if(VOLT_NCCL_FOUND)  # the same definitions as distributed, whose precompiled header it reuses

@@ -14,6 +14,14 @@ set -euo pipefail
 build=${1:?usage: gpt.sh BUILD_DIR [ROUNDS] [STEPS]}
 rounds=${2:-3}
 steps=${3:-60}
+# A build whose benchmarks compile at another level than the build type's (VOLT_EXAMPLES_OPTIMIZATION, which CI's 2.11
+# lane sets to -Og and which stays in its CMakeCache.txt) would time that code.
+level=$(sed -n 's/^VOLT_EXAMPLES_OPTIMIZATION:STRING=//p' "$build/CMakeCache.txt" 2>/dev/null || true)
+if [ -n "$level" ]; then
+  echo "gpt.sh: $build compiles the benchmarks at $level (VOLT_EXAMPLES_OPTIMIZATION); reconfigure it with" \
+       "-DVOLT_EXAMPLES_OPTIMIZATION= (the build type's -O3) and rebuild gpt_bench before timing it." >&2
+  exit 1
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 text=$(bash "$root/scripts/install-text.sh")

@@ -8,7 +8,8 @@
 #               AddressSanitizer and UndefinedBehaviorSanitizer (in build-sanitize/, or build-sanitize-torch<lane>/),
 #               and only those run.
 # --tsan:       the loader tests (worker threads) built with ThreadSanitizer (in build-tsan/), and only those run.
-# VOLT_CMAKE_ARGS: more CMake settings for the lane's build (CI's 2.11 lane: -DVOLT_CHECK_HEADERS=OFF).
+# VOLT_CMAKE_ARGS: more CMake settings for the lane's build (CI's 2.11 lane: -DVOLT_CHECK_HEADERS=OFF, no benchmarks,
+#                  -DVOLT_EXAMPLES_OPTIMIZATION=-Og; see .ci/run). They stay in the build folder's CMakeCache.txt.
 # Compiles through ccache where it is installed (cmake/voltCompilerCache.cmake). At its end it prints how long the
 # build and the tests took.
 set -euo pipefail

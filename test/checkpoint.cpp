@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <csignal>
+#include <unistd.h>
 #include <algorithm>
 
 // ---- checkpoint files ----------------------------------------------------------------------------------
@@ -456,6 +457,51 @@ TEST_CASE("a fit resumed from any of its checkpoints ends bit-identical to the u
   CHECK(mid_window > 0);  // saved after a validation between two micro-batches of one optimizer step
 }
 
+// volt's rule (docs/reference.md, a departure from Lightning, whose fit loop closes the epoch there): max_steps reached
+// inside an epoch leaves it open, so a fit resumed from a save at the fit's end (ModelCheckpoint's last.ckpt) or after
+// it (trainer.save_checkpoint) with a larger max_steps goes on with the epoch's next batch, as one uninterrupted fit.
+// The epoch-interval StepLR would step at a closed epoch; the loader's shuffled order and dropout's generator must
+// carry on too.
+TEST_CASE("max_steps inside an epoch leaves it open: saved at the fit's end or after it, a fit resumed with a larger "
+          "max_steps ends bit-identical to the uninterrupted fit", "[checkpoint][resume]") {
+  auto [x, y] = vt::regression_data(40);  // 10 batches an epoch
+  auto train = [&] { return volt::data::TensorLoader(x, y, {.batch_size = 4, .shuffle = true, .seed = 5}); };
+  Mlp reference(1);
+  torch::manual_seed(123);
+  auto whole = volt::make_trainer({.max_steps = 27});
+  whole.fit(reference, train());
+  REQUIRE(whole.current_epoch() == 2);
+  const double final_lr = whole.optimizer()->param_groups()[0].options().get_lr();
+  // two epochs closed: StepLR stepped twice (LibTorch's count: its first step is step 0, docs/reference.md)
+  REQUIRE(final_lr == Approx(1e-2 * 0.7));
+
+  const fs::path dir = scratch("max_steps_open");
+  Mlp first(1);
+  torch::manual_seed(123);
+  auto a = volt::make_trainer({.max_steps = 7}, volt::ModelCheckpoint({.dirpath = dir.string(), .save_last = true}));
+  a.fit(first, train());
+  CHECK(a.current_epoch() == 0);
+  CHECK(a.optimizer()->param_groups()[0].options().get_lr() == 1e-2);  // StepLR not stepped: the epoch is open
+  a.save_checkpoint((dir / "after.ckpt").string());
+  for (const char* name : {"last.ckpt", "after.ckpt"}) {
+    INFO(name);
+    const auto saved = volt::checkpoint::read((dir / name).string());
+    const auto loops = saved.at("loops").toGenericDict();
+    CHECK(loops.at("epoch").toInt() == 0);
+    CHECK(loops.at("batch_in_epoch").toInt() == 7);
+    CHECK(!loops.at("epoch_finished").toBool());
+    Mlp resumed(99);
+    torch::manual_seed(456);
+    auto r = volt::make_trainer({.max_steps = 27});
+    r.fit(resumed, train(), volt::NoLoader{}, (dir / name).string());
+    CHECK(r.global_step() == 27);
+    CHECK(r.current_epoch() == 2);
+    CHECK(r.optimizer()->param_groups()[0].options().get_lr() == final_lr);
+    CHECK(same_weights(*reference, *resumed));
+  }
+  fs::remove_all(dir);
+}
+
 TEST_CASE("a loader without a position (a vector of batches) resumes by skipping what was trained on",
           "[checkpoint][resume]") {
   auto [x, y] = vt::regression_data(48);
@@ -609,6 +655,65 @@ TEST_CASE("a stop signal in a fit: a full checkpoint where \"last\" finds it, ev
   for (auto& r : vt::csv_rows((base / "run" / "logs" / "version_1" / "metrics.csv").string())) rows.push_back(r);
   std::sort(rows.begin(), rows.end());
   CHECK(rows == ref_rows);
+}
+
+// fit(..., "last") as Lightning looks for it (among last*.ckpt; volt adds a stop signal's interrupted*.ckpt), by the step
+// each file records, not by which was written last: a job killed while it wrote or deleted a checkpoint leaves a newest
+// entry that may be torn, and the requeued job must resume by itself. The files are made by hand with known steps.
+TEST_CASE("\"last\" takes the furthest last*.ckpt or interrupted*.ckpt that reads whole, other files only where none "
+          "does; a save deletes what killed saves left", "[checkpoint]") {
+  const fs::path dir = scratch("find_last");
+  const auto put = [&](const std::string& name, int64_t step, int64_t batches) {
+    auto loops = volt::checkpoint::make_dict();
+    loops.insert("total_batch_idx", batches);
+    auto d = volt::checkpoint::make_dict();
+    d.insert("global_step", step);
+    d.insert("loops", loops);
+    volt::checkpoint::save((dir / name).string(), d);
+  };
+  put("epoch=3-step=90.ckpt", 90, 90);  // further than every last*: taken only where none of those reads
+  put("last.ckpt", 60, 60);
+  put("interrupted.ckpt", 60, 61);  // the same step, one batch further (a stop signal's, inside a window)
+  put("last-v1.ckpt", 50, 50);
+  put("last-v2.ckpt", 70, 70);  // torn below: written last, the newest file
+  fs::resize_file(dir / "last-v2.ckpt", fs::file_size(dir / "last-v2.ckpt") / 2);
+  fs::create_directories(dir / "last-v3.ckpt");  // a sharded folder a killed deletion left half gone
+  std::ofstream(dir / "last-v3.ckpt" / "index.json") << "{\"format\": \"volt.sharded_checkpoint\"";
+  volt::Trainer<> t;
+  volt::ModelCheckpoint mc({.dirpath = dir.string()});
+  const auto last = [&] { return mc.find_last_checkpoint(t); };
+  {
+    CaptureCerr err;
+    CHECK(last() == (dir / "interrupted.ckpt").string());
+    CHECK_THAT(err.str(), Contains("\"last\" passes over " + (dir / "last-v2.ckpt").string() + ", which does not read") &&
+                              Contains("\"last\" passes over " + (dir / "last-v3.ckpt").string()));
+  }
+  CaptureCerr quiet;
+  fs::remove(dir / "interrupted.ckpt");
+  CHECK(last() == (dir / "last.ckpt").string());
+  fs::remove(dir / "last.ckpt");
+  CHECK(last() == (dir / "last-v1.ckpt").string());
+  fs::remove(dir / "last-v1.ckpt");
+  CHECK(last() == (dir / "epoch=3-step=90.ckpt").string());  // no last*.ckpt reads: the others
+  fs::remove(dir / "epoch=3-step=90.ckpt");
+  CHECK(last().empty());
+
+  // What killed saves and deletions left (temporaries of processes that no longer run): gone after the next save;
+  // this process's own would not be touched.
+  const fs::path kept = dir / ("step=7.ckpt.tmp." + std::to_string(::getpid()));
+  std::ofstream(dir / "last.ckpt.tmp.999999999") << "torn";
+  fs::create_directories(dir / "step=2.ckpt.tmp.999999998");
+  std::ofstream(dir / "step=2.ckpt.tmp.999999998" / "rank-00000-of-00002.safetensors") << "torn";
+  std::ofstream(kept) << "mine";
+  vt::Regressor model;
+  auto [x, y] = vt::regression_data(8);
+  auto saving = volt::make_trainer({.max_steps = 1}, volt::ModelCheckpoint({.dirpath = dir.string(), .save_last = true}));
+  saving.fit(model, volt::data::TensorLoader(x, y, {.batch_size = 8}));
+  CHECK(!fs::exists(dir / "last.ckpt.tmp.999999999"));
+  CHECK(!fs::exists(dir / "step=2.ckpt.tmp.999999998"));
+  CHECK(fs::exists(kept));
+  CHECK(volt::checkpoint::read((dir / "last.ckpt").string()).at("global_step").toInt() == 1);
+  fs::remove_all(dir);
 }
 
 TEST_CASE("stop signals: options checked up front; disabled, the process keeps its own handlers", "[checkpoint][signals]") {
@@ -869,6 +974,26 @@ TEST_CASE("load_weights: into part of a model, by prefix or skipping, strict or 
     CHECK(torch::equal(other->head->weight, w));
     CHECK_THROWS_WITH(volt::load_weights(*other, (dir / "net.safetensors").string(), {.strict = false}),
                       Contains("head.bias (file [3], module [5])"));  // shapes are checked even when not strict
+  }
+  SECTION("a model of another width everywhere: how many shapes differ and the first three, not every one") {
+    const auto stack = [](int64_t width) {
+      torch::nn::Sequential s;
+      for (int i = 0; i < 6; ++i) s->push_back(torch::nn::Linear(width, width));
+      return s;
+    };
+    volt::save_safetensors(*stack(4), (dir / "stack.safetensors").string());
+    auto wider = stack(5);
+    std::string said;
+    try {
+      volt::load_weights(*wider, (dir / "stack.safetensors").string());
+    } catch (const volt::CheckpointError& e) {
+      said = e.what();
+    }
+    INFO(said);
+    CHECK_THAT(said, Contains("12 tensors of other shapes (") && Contains("0.weight (file [4, 4], module [5, 5])") &&
+                         Contains("), ...);"));
+    CHECK(said.find("5.weight") == std::string::npos);
+    CHECK(said.size() < 400);
   }
   SECTION("skipping the head loads the backbone and names the new head as missing") {
     TunedNet fresh(5);

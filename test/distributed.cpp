@@ -306,12 +306,14 @@ struct ZeroNetImpl : NetImpl {
 /// order (rank r's local order: positions r, r + world, ... of randperm(n) seeded with seed + epoch), the loss their
 /// mean over the window of `accumulate` batches, the gradients clipped to a total norm of `clip` before each step;
 /// batch `ZeroNetImpl::kSkipped` (the last of its window) is skipped, and with it that window's step; so is the step
-/// of epoch 0's batch `skip_step_at`.
+/// of epoch 0's batch `skip_step_at`. `dtype`: the net and data cast to it (float64: Fp64True's reference).
 template <class Module = ZeroNetImpl>
 torch::Tensor zero_reference(int world, int64_t n, int epochs, int accumulate, double clip, bool adam,
-                             int64_t skip_step_at = -1) {
-  auto [x, y] = data(n);
+                             int64_t skip_step_at = -1, torch::Dtype dtype = torch::kFloat32) {
+  auto [x32, y32] = data(n);
+  const torch::Tensor x = x32.to(dtype), y = y32.to(dtype);
   Module net;
+  net.to(dtype);
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (adam) {
     opt = std::make_unique<torch::optim::Adam>(net.parameters(), torch::optim::AdamOptions(0.01));
@@ -1604,6 +1606,47 @@ int sharded_weigh_loss_scenario() {
   return 3;
 }
 
+/// Three blocks of equal width between a first layer and a head (the root), each a unit; rank `reversed_on` runs
+/// the blocks in reverse order. `Planned`: ModelParallel's plan shards the whole module as one part.
+template <bool Planned>
+struct OrderNetImpl : torch::nn::Module {
+  torch::nn::Linear first{nullptr}, head{nullptr};
+  std::vector<torch::nn::Linear> blocks;
+  int reversed_on = 1;
+  OrderNetImpl() {
+    torch::manual_seed(5);
+    first = register_module("first", torch::nn::Linear(4, 8));
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("block" + std::to_string(i), torch::nn::Linear(8, 8)));
+    head = register_module("head", torch::nn::Linear(8, 1));
+  }
+  void configure_model(volt::ModelPlan& plan)
+    requires Planned
+  {
+    plan.shard(*this);
+  }
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    auto h = first(batch.data);
+    for (int i = 0; i < 3; ++i) h = torch::tanh(volt::sharded_call(blocks[ctx.global_rank() == reversed_on ? 2 - i : i], h));
+    return (head(h) - batch.target).pow(2).mean();
+  }
+  std::unique_ptr<torch::optim::Optimizer> configure_optimizers() {
+    return std::make_unique<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1));
+  }
+};
+
+/// `Strategy` on 2 ranks, rank 1 running its units in reverse order in the first step: every rank must refuse (the
+/// Trainer's error names the rank; expect-failure checks both ranks' lines: the call, the units and the ranks).
+template <class Strategy, bool Planned>
+int unit_order_scenario() {
+  auto [x, y] = data(32);
+  OrderNetImpl<Planned> net;
+  auto trainer = volt::make_trainer<Strategy>({.devices = g_world, .max_steps = 2});
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch}));
+  std::cerr << "rank " << trainer.strategy().global_rank() << ": fit returned although rank 1 ran its units in "
+            << "reverse order" << std::endl;
+  return 3;
+}
+
 /// Saves a checkpoint to `path` inside the fit, after optimizer step `step` (mid-epoch, with the loader's position).
 struct SaveAtStep {
   int64_t step = 0;
@@ -1708,6 +1751,43 @@ struct PlannedNetImpl : FsdpNetImpl {
   }
 };
 
+/// Clipping by norm in float64: `Strategy` (`kind`: zero1, zero2, fsdp, model-parallel: FsdpNet's blocks and head two
+/// sharded parts) on `world` ranks under Fp64True, Adam with accumulation 3 and a clip every step meets, against the
+/// one-process loop in float64 on the same global batches: within 1e-12 (a norm summed in float32 was 1e-9 off).
+int clip_fp64_scenario(const std::string& kind) {
+  const int64_t n = 96;
+  const int epochs = 2, accumulate = 3;
+  const double clip = 0.05;
+  auto [x, y] = data(n);
+  PlannedNetImpl net;
+  net.kind = "two-parts";
+  const volt::TrainerOptions options{.devices = g_world, .max_epochs = epochs, .accumulate_grad_batches = accumulate,
+                                     .gradient_clip_val = clip};
+  const auto fit = [&]<class Strategy>(Strategy*) {
+    auto trainer = volt::make_trainer<Strategy, volt::Fp64True>(options);
+    trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}));
+    return trainer.is_global_zero();
+  };
+  bool here = false;
+  if (kind == "zero1") here = fit(static_cast<volt::ZeRO<1, volt::Script, volt::Mpi>*>(nullptr));
+  if (kind == "zero2") here = fit(static_cast<volt::ZeRO<2, volt::Script, volt::Mpi>*>(nullptr));
+  if (kind == "fsdp") here = fit(static_cast<volt::FSDP<volt::Script, volt::Mpi>*>(nullptr));
+  if (kind == "model-parallel") here = fit(static_cast<volt::ModelParallel<volt::Script, volt::Mpi>*>(nullptr));
+  if (kind == "ddp") here = fit(static_cast<volt::DDP<volt::Script, volt::Mpi>*>(nullptr));
+  if (!here) return failures == 0 ? 0 : 1;
+  const torch::Tensor want = zero_reference<FsdpNetImpl>(g_world, n, epochs, accumulate, clip, /*adam=*/true, -1,
+                                                         torch::kFloat64);
+  const torch::Tensor got = flat(net);
+  check(got.scalar_type() == torch::kFloat64, "the weights are float64");
+  const double diff = (got - want).abs().max().item<double>();
+  std::cout << kind << " on " << g_world << " ranks, Fp64True, clipped every step: max |weights - one process| = "
+            << diff << std::endl;
+  std::ostringstream said;
+  said << kind << ": the float64 weights within 1e-12 of the one-process loop's (max diff " << diff << ")";
+  check(diff <= 1e-12, said.str());
+  return failures == 0 ? 0 : 1;
+}
+
 /// Between steps, once laid out: whether any block, and the head, hold parameter storage.
 struct PartsBetweenSteps {
   std::shared_ptr<std::set<std::string>> seen = std::make_shared<std::set<std::string>>();
@@ -1758,8 +1838,17 @@ int model_parallel_scenario(int world, const std::string& kind) {
   PartsBetweenSteps parts;
   auto trainer = volt::make_trainer<MP>(options, parts, SaveOnceAt{2, hsdp ? path : ""});
   if (hsdp) trainer.strategy().set_mesh({{"replicate", 2}, {"shard", 2}});
+  std::ostringstream said;  // what the fit says on this rank (passed on after it)
+  std::streambuf* const kept = std::cerr.rdbuf(said.rdbuf());
   trainer.fit(net, loader());
+  std::cerr.rdbuf(kept);
+  std::cerr << said.str();
   const std::string what = "ModelParallel on " + std::to_string(world) + " ranks (" + kind + ")";
+  // Two sharded parts: the checkpoint's later refusal is said as the fit starts, on rank zero only.
+  const bool warned = said.str().find("volt: warning: configure_model plans 2 sharded parts") != std::string::npos;
+  check(warned == (!hsdp && trainer.is_global_zero()), what + ": the two sharded parts' warning said " +
+                                                           (warned ? "" : "not ") + "on rank " +
+                                                           std::to_string(trainer.strategy().global_rank()));
   const torch::Tensor want = zero_reference<FsdpNetImpl>(world, n, epochs, accumulate, clip, /*adam=*/true);
   const double diff = (flat(net) - want).abs().max().item<double>();
   std::cout << what << ": max |weights - reference| = " << diff << std::endl;
@@ -2328,6 +2417,13 @@ const Mode kModes[] = {
                                   "tokens (refused)",
      [](const std::vector<std::string>&) {
        return sharded_weigh_loss_scenario<volt::ModelParallel<volt::Script, volt::Mpi>, ShardedMaskedLM>();
+     }},
+    {"clip-fp64", "ddp|zero1|zero2|fsdp|model-parallel: clipping under Fp64True within 1e-12 of one process",
+     [](const std::vector<std::string>& a) { return clip_fp64_scenario(a.at(1)); }},
+    {"unit-order", "fsdp|model-parallel: rank 1 runs its units in reverse order (refused on every rank)",
+     [](const std::vector<std::string>& a) {
+       return a.at(1) == "fsdp" ? unit_order_scenario<volt::FSDP<volt::Script, volt::Mpi>, false>()
+                                : unit_order_scenario<volt::ModelParallel<volt::Script, volt::Mpi>, true>();
      }},
     {"weighted-loss", ": one step of 3 micro-batches on 2 ranks with losses weighted by tokens (DDP, ZeRO<2>, FSDP)",
      [](const std::vector<std::string>&) { return weighted_loss_scenario(); }},

@@ -30,17 +30,10 @@ def expected(folder):
 
 
 def load_weights_only(path):
-    """torch.load(weights_only=True), allowing on PyTorch >= 2.6 the builders LibTorch's pickler writes for typed
-    dicts and lists (torch.jit._pickle: they rebuild a list or restore a type annotation). PyTorch 1.13's weights-only
-    unpickler knows no way to allow them: there the file is read with the full unpickler, and the output says so."""
+    """torch.load(weights_only=True), which volt's files (tensors and plain containers) pass: PyTorch's default since
+    2.6, asked for by name on earlier versions (1.13)."""
     import torch
-    if hasattr(torch.serialization, "safe_globals"):
-        from torch.jit import _pickle
-        builders = [_pickle.restore_type_tag, _pickle.build_tensorlist, _pickle.build_intlist,
-                    _pickle.build_doublelist, _pickle.build_boollist]
-        with torch.serialization.safe_globals(builders):
-            return torch.load(path, weights_only=True), True
-    return torch.load(path), False
+    return torch.load(path, weights_only=True), True
 
 
 def check_checkpoints(folder):

@@ -4,7 +4,8 @@
 // The whole configuration is saved as the run's hyper-parameters (the parameters MLflow gets). --run.stop_at=N
 // raises SIGTERM in the step that ends with global step N (the fit checkpoints and exits with 143);
 // --run.freeze_group=PGID with --run.freeze_at=N sends --run.freeze_signal (KILL or STOP) to that process group then:
-// the server, killed or hung mid-fit. --run.wide=N logs N more metrics in the first step. Prints the run id.
+// the server, killed or hung mid-fit. --run.wide=N logs N more metrics in the first step. --run.every_step=true saves
+// step=N.ckpt (and its .safetensors) after every step, keeping the latest only. Prints the run id.
 
 #include <torch/torch.h>
 #include <volt/loggers/mlflow.hpp>
@@ -31,6 +32,8 @@ struct RunOptions {
   int64_t freeze_at = -1;
   std::string freeze_signal = "KILL";
   int64_t wide = 0;
+  bool every_step = false;
+  bool continue_without_server = false;
 };
 constexpr auto volt_fields(const RunOptions*) {
   return volt::fields({{"mlflow", "log to MLFLOW_TRACKING_URI too"},
@@ -42,7 +45,9 @@ constexpr auto volt_fields(const RunOptions*) {
                        {"freeze_group", "a process group to signal (the server)"},
                        {"freeze_at", "the global step to signal it at"},
                        {"freeze_signal", "KILL or STOP"},
-                       {"wide", "metrics more to log in the first step"}});
+                       {"wide", "metrics more to log in the first step"},
+                       {"every_step", "a checkpoint (and its safetensors) every step, the latest kept"},
+                       {"continue_without_server", "train on when the run cannot be opened"}});
 }
 
 struct WideRegressorImpl : torch::nn::Module {
@@ -88,9 +93,14 @@ int fit(const volt::TrainerOptions& options, const RunOptions& run, const volt::
   volt::data::TensorLoader train(x, y, {.batch_size = 8, .shuffle = true, .seed = 5});
   volt::data::TensorLoader val(x.slice(0, 0, 32), y.slice(0, 0, 32), {.batch_size = 16});
   WideRegressor net(run.wide);
+  // every_step: step=N.ckpt and .safetensors after each step, each pruned by the next save (while its upload waits)
+  const auto checkpoints = run.every_step ? volt::ModelCheckpoint::Options{.filename = "{step}", .save_top_k = 1,
+                                                                           .save_last = true, .every_n_train_steps = 1,
+                                                                           .save_safetensors = true}
+                                          : volt::ModelCheckpoint::Options{.monitor = "val_loss", .save_top_k = 2,
+                                                                           .save_last = true};
   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>(
-      options, volt::CSVLogger{}, volt::ModelCheckpoint({.monitor = "val_loss", .save_top_k = 2, .save_last = true}),
-      Signals{run}, std::move(loggers)...);
+      options, volt::CSVLogger{}, volt::ModelCheckpoint(checkpoints), Signals{run}, std::move(loggers)...);
   trainer.save_hyperparameters(hparams);
   trainer.fit(net, train, val, run.resume ? "last" : "");
   std::cout << "metrics: " << trainer.template callback<volt::CSVLogger>().metrics_file().string() << "\n";
@@ -128,8 +138,12 @@ int main(int argc, char** argv) try {
                                  .run_name = "regression",
                                  .tags = {{"suite", "volt"}},
                                  .log_model = run.log_model,
-                                 .timeout_s = run.timeout}));
+                                 .timeout_s = run.timeout,
+                                 .continue_without_server = run.continue_without_server}));
 } catch (const volt::ConfigError& e) {
   std::cerr << "mlflow_run: " << e.what() << "\n";
   return 2;
+} catch (const std::exception& e) {
+  std::cerr << "mlflow_run: " << e.what() << "\n";
+  return 1;
 }

@@ -13,6 +13,10 @@ Authorization header, and runs the test program test/mlflow.cpp:
    checkpoint equal to the file on disk; the token reached the server (access log) and is in no file the run wrote;
 3. a fit stopped by SIGTERM (basic authentication from MLFLOW_TRACKING_USERNAME/PASSWORD) and resumed: KILLED, then
    the same run id FINISHED, the histories those of the reference run, the password in no file;
+2b. a checkpoint (and its safetensors) every step, each pruned by the next save, behind a proxy that holds each
+   upload 0.2 s: every file the saves wrote reached the server, no warning, no staged copy left;
+5. no server at the URI, and a wrong path on the server: the fit fails at its start with one line naming the URI
+   (the server's HTML page as one line); with continue_without_server, one warning and the fit as without MLflow;
 4. the server hung (SIGSTOP) mid-fit, then killed (SIGKILL): each fit ends with the reference's metrics.csv, exit 0
    and one warning, within the stated bound of the retries (mlflow_client.hpp), plus a margin for a loaded machine.
 
@@ -129,13 +133,65 @@ class Server:
             fail(f"processes {self.group_alive()} of the server's group {self.pgid} are still there")
 
 
+class SlowProxy:
+    """An HTTP proxy in front of the server that holds each artifact upload (PUT) `delay` seconds before passing it on,
+    so that uploads are still waiting while the fit's next saves prune their files."""
+
+    def __init__(self, target, delay):
+        import http.server
+        import threading
+        import urllib.error
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # (answers curl's Expect: 100-continue)
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                if "chunked" in self.headers.get("Transfer-Encoding", ""):
+                    fail("an upload came without its length (chunked); the proxy passes sized bodies only")
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.command == "PUT":
+                    time.sleep(delay)
+                skip = ("host", "content-length", "connection", "expect", "transfer-encoding")
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                request = urllib.request.Request(target + self.path, data=body, method=self.command, headers=headers)
+                try:
+                    with urllib.request.urlopen(request, timeout=120) as r:
+                        status, data, answer = r.status, r.read(), r.headers
+                except urllib.error.HTTPError as e:
+                    status, data, answer = e.code, e.read(), e.headers
+                self.send_response(status)
+                for k, v in answer.items():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
 def run(args, env_extra, expect_rc=0):
+    """Runs mlflow_run; its exit status must be `expect_rc` (None: any but 0)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(env_extra)
     start = time.time()
     p = subprocess.run([PROGRAM] + args, env=env, capture_output=True, text=True, timeout=300)
     seconds = time.time() - start
-    if p.returncode != expect_rc:
+    if (p.returncode == 0) if expect_rc is None else (p.returncode != expect_rc):
         print(p.stdout[-3000:], p.stderr[-3000:])
         fail(f"mlflow_run {' '.join(args)} exited with {p.returncode}, expected {expect_rc}")
     run_id = ""
@@ -259,6 +315,31 @@ def main():
         print(f"fit: FINISHED, {len(csv_metrics)} metrics' histories equal to the CSV's, {len(params)} parameters, "
               f"{len(on_disk)} checkpoints uploaded whole, the token sent and in no file")
 
+        # 2b. A checkpoint every step (and its safetensors), each pruned by the next save, every upload held 0.2 s by
+        # a proxy: every file a save wrote reaches the server (each staged until its upload ends), with no warning.
+        slow_dir = os.path.join(root, "slow")
+        proxy = SlowProxy(server.uri, 0.2)
+        try:
+            p, slow_id, _ = run(common + [f"--trainer.default_root_dir={slow_dir}", "--run.every_step=true",
+                                          "--run.experiment=slow"], {"MLFLOW_TRACKING_URI": proxy.uri})
+        finally:
+            proxy.stop()
+        if warnings_of(p.stderr):
+            fail("the fit behind a slow server warned: " + "; ".join(warnings_of(p.stderr)))
+        uploaded = {os.path.basename(a.path) for a in client.list_artifacts(slow_id, "checkpoints")}
+        steps = 3 * 96 // 8  # 3 epochs of 12 batches
+        want = {f"step={n}.{ext}" for n in range(1, steps + 1) for ext in ("ckpt", "safetensors")}
+        want |= {"last.ckpt", "last.safetensors"}
+        if want - uploaded:
+            fail(f"{len(want - uploaded)} of the {len(want)} files the saves wrote did not reach the server: "
+                 f"{sorted(want - uploaded)[:6]}")
+        left = [f for f in os.listdir(os.path.join(slow_dir, "checkpoints")) if ".tmp." in f]
+        if left:
+            fail(f"staged uploads are left in the checkpoint folder: {left[:4]}")
+        on_disk = sorted(os.listdir(os.path.join(slow_dir, "checkpoints")))
+        print(f"every step's checkpoint behind uploads held 0.2 s: all {len(want)} files the saves wrote reached the "
+              f"server ({len(on_disk)} left on disk: {on_disk}), no warning, no staged copy left")
+
         # 3. Stopped by SIGTERM at step 17 and resumed: one run, KILLED then FINISHED, the reference's histories.
         stop_dir = os.path.join(root, "stop")
         auth = {"MLFLOW_TRACKING_URI": server.uri, "MLFLOW_TRACKING_USERNAME": USER, "MLFLOW_TRACKING_PASSWORD": PASSWORD}
@@ -283,6 +364,32 @@ def main():
         if files_containing(stop_dir, PASSWORD):
             fail(f"the password is written in {files_containing(stop_dir, PASSWORD)}")
         print(f"stopped at step 17 (KILLED) and resumed: run {first_id} FINISHED, histories equal to the reference's")
+
+        # 5. No server at the URI, or a wrong path on it: the fit fails as it starts, in one line naming the URI (the
+        # server's HTML page as one line); with continue_without_server, one warning and the fit as without MLflow.
+        nobody = f"http://127.0.0.1:{free_port()}"
+        d = os.path.join(root, "nobody")
+        p, _, _ = run(common + [f"--trainer.default_root_dir={d}", "--run.timeout=1"], {"MLFLOW_TRACKING_URI": nobody},
+                      expect_rc=None)
+        said = [line for line in p.stderr.splitlines() if "MLFlowLogger" in line]
+        if len(said) != 1 or f"the run could not be opened at {nobody}" not in said[0] or "does not start" not in said[0]:
+            fail(f"no server at {nobody}: said {said}")
+        wrong = server.uri + "/no/such/prefix"
+        p, _, _ = run(common + [f"--trainer.default_root_dir={os.path.join(root, 'wrong')}"],
+                      {"MLFLOW_TRACKING_URI": wrong}, expect_rc=None)
+        said = [line for line in p.stderr.splitlines() if "MLFlowLogger" in line]
+        if len(said) != 1 or "Not Found" not in said[0] or "<" in said[0] or wrong not in said[0]:
+            fail(f"a wrong path ({wrong}): said {said}")
+        d = os.path.join(root, "nobody-on")
+        p, _, _ = run(common + [f"--trainer.default_root_dir={d}", "--run.timeout=1",
+                                "--run.continue_without_server=true"], {"MLFLOW_TRACKING_URI": nobody})
+        if len(warnings_of(p.stderr)) != 1 or "gave no answer" not in warnings_of(p.stderr)[0]:
+            fail(f"continue_without_server: warnings {warnings_of(p.stderr)}")
+        got, _ = read_csv(d)
+        if got.keys() != reference.keys():
+            fail("continue_without_server: the fit's metrics.csv is not the reference's")
+        print(f"no server at the URI, or a wrong path on it: the fit fails at its start in one line naming the URI; "
+              f"with continue_without_server, one warning and the reference's metrics")
 
         # 4. The server hung, then killed, mid-fit: the fits end as without the logger, with one warning.
         bounds = {"STOP": 4 * 1.0 + 3.5, "KILL": 3.5}  # (retries + 1) x timeout + backoffs; refused: backoffs

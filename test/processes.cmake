@@ -61,10 +61,24 @@ volt_distributed_test(dist.profiler.mpirun ${volt_mpirun} ${dist} profiler)
 volt_distributed_test(dist.checkpointing.mpirun ${volt_mpirun} ${dist} checkpointing)
 volt_distributed_test(dist.weighted_loss.mpirun ${volt_mpirun} ${dist} weighted-loss)
 volt_distributed_test(dist.manual_refusals.mpirun ${volt_mpirun} ${dist} manual-refusals)
+# Clipping by norm under Fp64True on 2 ranks: float64-exact against one process (the norm's squares summed in float64).
+foreach(kind ddp zero1 zero2 fsdp model-parallel)
+  volt_distributed_test(dist.clip_fp64.${kind} ${volt_mpirun} ${dist} clip-fp64 ${kind})
+endforeach()
+# Units run in another order on rank 1 than on rank 0 in the first step: refused on both ranks, naming call and ranks.
+foreach(kind fsdp model-parallel)
+  volt_distributed_test(dist.${kind}.unit_order_refused ${dist} expect-failure 60
+    "on rank 0: volt: the ranks ran different units in the fit's first step: unit call 1 ran unit 0 on rank 0 and unit 2 on rank 1"
+    "on rank 1: volt: the ranks ran different units in the fit's first step: unit call 1 ran unit 0 on rank 0 and unit 2 on rank 1"
+    -- ${volt_mpirun} ${dist} unit-order ${kind})
+endforeach()
 volt_distributed_test(dist.fsdp.weigh_loss_refused ${dist} expect-failure 60 "set_sync_every_micro_batch(false) to accumulate them locally" -- ${volt_mpirun} ${dist} fsdp-weigh-loss)
 volt_distributed_test(dist.manual_weigh_loss_refused ${dist} expect-failure 60 "weigh_loss under a strategy whose ranks hold different parts" -- ${volt_mpirun} ${dist} manual-weigh-loss)
 volt_distributed_test(dist.legacy_checkpoint.mpirun ${volt_mpirun} ${dist} legacy-checkpoint resume
                       ${CMAKE_CURRENT_SOURCE_DIR}/data/legacy)
+# Files of the last commit before the plain pickle and PyTorch's optimizer state_dict (test/data/legacy-4936e33/).
+volt_distributed_test(dist.legacy_checkpoint.4936e33 ${volt_mpirun} ${dist} legacy-checkpoint resume
+                      ${CMAKE_CURRENT_SOURCE_DIR}/data/legacy-4936e33)
 volt_distributed_test(dist.metrics.mixed_options ${dist} expect-failure 30 "was logged with other options" -- ${volt_mpirun} ${dist} metrics-mixed)
 volt_distributed_test(dist.collectives.mpirun3 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} collectives)
 # A process mesh on 4 ranks: collectives and sends along each axis; a peer killed (or stalled) during a receive ends
@@ -146,6 +160,8 @@ volt_resume_test(resume.ddp_exact CORES ${resume_exe} ddp-exact ${resume_dir}/dd
 volt_resume_test(resume.fsdp_exact CORES ${resume_exe} fsdp-exact ${resume_dir}/fsdp_exact -- ${volt_mpirun})
 volt_resume_test(resume.fsdp_sharded_exact CORES ${resume_exe} fsdp-sharded-exact ${resume_dir}/fsdp_sharded_exact --
                  ${volt_mpirun})
+volt_resume_test(resume.file_ops_kill CORES ${resume_exe} file-ops-kill ${resume_dir}/file_ops_kill -- ${volt_mpirun})
+set_tests_properties(resume.file_ops_kill PROPERTIES TIMEOUT 900)
 volt_resume_test(resume.sharded_kill CORES ${resume_exe} sharded-kill ${resume_dir}/sharded_kill 3 -- ${volt_mpirun})
 volt_resume_test(resume.spawn_exact CORES ${resume_exe} spawn-exact ${resume_dir}/spawn_exact)
 volt_resume_test(resume.two_to_one CORES ${resume_exe} n-to-m 2 1 ${resume_dir}/two_to_one -- ${volt_mpirun})

@@ -15,6 +15,10 @@
 //   resume sharded-kill <dir> [rounds] -- <mpirun...>
 //                                             a rank SIGKILLed while a sharded checkpoint is written: every
 //                                             checkpoint left reads, and the resume from last.ckpt is bit-identical
+//   resume file-ops-kill <dir> -- <mpirun...>
+//                                             rank zero SIGKILLed after each file operation of a save that writes
+//                                             two sharded folders and deletes one, in turn: the job resumed from
+//                                             "last" is bit-identical and leaves no temporary
 //   resume spawn-exact <dir>                  the same with DDP<Spawn> workers
 //   resume n-to-m <from> <to> <dir> -- <mpirun...>
 //                                             saved on `from` ranks, resumed on `to`: every sample once, and
@@ -28,8 +32,9 @@
 //   resume signal <case> <dir> [-- <mpirun...>]
 //                                             a run stopped by SIGTERM/SIGUSR1 (to the process, mpirun, one rank,
 //                                             a Spawn main process) checkpoints, exits, and resumes bit-identical
-//   resume export <dir>                       the quick-start net's checkpoint, an input and its output, for
-//                                             test/torch_load_check.py
+//   resume export <dir>                       the quick-start net's checkpoint (full and weights-only), an input and
+//                                             its output, and checkpoints of AdamW, Adam and SGD with the weights of
+//                                             volt's next step, for test/torch_load_check.py
 // and the worker modes they start: train, writer, ddp-fit, spawn-fit, index-fit, sig-fit.
 
 #include <torch/torch.h>
@@ -354,16 +359,18 @@ void save_final_weights(T& trainer, torch::nn::Module& model, const std::string&
 // (<dir>/step=N.ckpt) and after every validation (<dir>/val/..., some in the middle of an accumulation
 // window); the final weights go to <weights-out> (from the calling process under Spawn).
 // (fsdp-sharded-fit: FSDP writing sharded checkpoints, last.ckpt among them; each rank writes its pid to <dir>/pid.<rank>.)
+// (fsdp-topk-fit: the same keeping the latest step=N.ckpt only, so that each save deletes the one before.)
 template <class Launcher, class Strategy = volt::DDP<Launcher, volt::Mpi>>
-int two_rank_fit(const std::string& dir, const std::string& out, const std::string& ckpt, bool sharded = false) {
+int two_rank_fit(const std::string& dir, const std::string& out, const std::string& ckpt, bool sharded = false,
+                 int64_t top_k = -1) {
   torch::manual_seed(1);
   Tiny model;
   auto trainer = volt::make_trainer<Strategy, volt::Fp32, volt::CPU>(
       {.devices = 2, .max_epochs = 3, .val_check_interval = 0.5, .accumulate_grad_batches = 2, .deterministic = true,
        .seed = 7},
       volt::ModelCheckpoint(
-          {.dirpath = dir, .filename = "{step}", .save_top_k = -1, .save_last = sharded, .every_n_train_steps = 1}),
-      volt::ModelCheckpoint({.dirpath = dir + "/val", .save_top_k = -1}));
+          {.dirpath = dir, .filename = "{step}", .save_top_k = top_k, .save_last = sharded, .every_n_train_steps = 1}),
+      volt::ModelCheckpoint({.dirpath = dir + "/val", .save_top_k = top_k == 1 ? 0 : -1}));  // (top-k: none)
   if constexpr (requires { trainer.strategy().set_state_dict_type(volt::StateDictType::sharded); }) {
     if (sharded) {
       trainer.strategy().set_state_dict_type(volt::StateDictType::sharded);
@@ -789,6 +796,59 @@ int sharded_kill(const std::string& dir, int rounds, const std::vector<std::stri
     std::cout << "round " << r << ": resumed from last.ckpt, weights bit-identical  match" << std::endl;
   }
   std::cout << cut_short << " of " << rounds << " kills landed inside a save" << std::endl;
+  return 0;
+}
+
+// resume file-ops-kill <dir> -- <mpirun...>
+// FSDP on 2 ranks writes sharded checkpoints after every step, keeping the latest step=N.ckpt and last.ckpt (so each
+// save writes two folders and deletes one; no validation checkpoints). Rank zero is SIGKILLed after its n-th file operation counted from step 4's
+// save (VOLT_TEST_KILL_AFTER_FILE_OPS: files.hpp's test-only injection), for n = 1, 2, ... until the kill lands in step
+// 5's save: after each, the job resumed in the same folder with fit(..., "last") ends on the uninterrupted run's
+// weights, bit for bit, and no temporary the kill left outlives its saves.
+int file_ops_kill(const std::string& dir, const std::vector<std::string>& mpirun) {
+  fs::remove_all(dir);
+  auto cmd = [&](std::vector<std::string> args, bool injected) {
+    std::vector<std::string> c = mpirun;
+    if (injected) c.insert(c.begin() + 1, {"-x", "VOLT_TEST_KILL_AFTER_FILE_OPS"});
+    c.push_back(self_exe());
+    c.insert(c.end(), args.begin(), args.end());
+    return c;
+  };
+  const std::string ref = dir + "/reference.ckpt";
+  if (run(cmd({"fsdp-topk-fit", dir + "/ref_run", ref}, false)) != 0) fail("the uninterrupted run failed");
+  const auto entries = [](const std::string& folder, const std::string& part) {
+    std::vector<std::string> found;
+    std::error_code ec;
+    for (const auto& e : fs::recursive_directory_iterator(folder, ec)) {
+      if (e.path().filename().string().find(part) != std::string::npos) found.push_back(e.path().string());
+    }
+    return found;
+  };
+  int n = 1;
+  for (; n <= 80; ++n) {
+    const std::string run_dir = dir + "/run" + std::to_string(n), out = dir + "/out" + std::to_string(n) + ".ckpt";
+    const int status = run(cmd({"fsdp-topk-fit", run_dir, out}, true),
+                           {"VOLT_TEST_KILL_AFTER_FILE_OPS=/step=4.ckpt:" + std::to_string(n)});
+    if (status == 0) fail("the job with a kill after file operation " + std::to_string(n) + " was not killed");
+    const bool past = !entries(run_dir, "step=5.ckpt").empty();  // the kill landed in step 5's save: done
+    const std::size_t left = entries(run_dir, ".tmp.").size();
+    for (const auto& e : fs::directory_iterator(run_dir)) {  // every checkpoint the kill left reads whole
+      if (e.path().extension() == ".ckpt") (void)volt::checkpoint::read(e.path().string());
+    }
+    if (run(cmd({"fsdp-topk-fit", run_dir, out, "last"}, false)) != 0) {
+      fail("after a kill at file operation " + std::to_string(n) + ": the job resumed from \"last\" failed");
+    }
+    std::string why;
+    if (!identical(ref, out, &why)) fail("MISMATCH: killed after file operation " + std::to_string(n) + ": " + why);
+    const auto stale = entries(run_dir, ".tmp.");
+    if (!stale.empty()) fail("after the resumed job, a temporary is left: " + stale.front());
+    std::cout << "killed after file operation " << n << " of step 4's save (" << left << " temporaries left): "
+              << "resumed from \"last\", weights bit-identical, nothing left behind  match" << std::endl;
+    fs::remove_all(run_dir);
+    if (past) break;
+  }
+  if (n < 8 || n > 80) fail("step 4's save took " + std::to_string(n) + " file operations; expected 8 to 80");
+  std::cout << "a kill after each of step 4's " << n - 1 << " file operations resumed bit-identical" << std::endl;
   return 0;
 }
 
@@ -1220,6 +1280,61 @@ int requeue_case(const std::string& dir, const std::string& cluster, const std::
 }
 
 // resume export <dir>: trains the quick-start net briefly, writes its checkpoint, an input and its output.
+/// 4 -> 3 (tanh) -> 2 in float64 (Fp64True), stepped by `kind`'s optimizer: adamw (weight decay 0.05), adam (amsgrad,
+/// weight decay 0.01 added to the gradient), sgd (momentum 0.9, weight decay 0.01).
+struct OptNetImpl : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  std::string kind;
+  explicit OptNetImpl(std::string k) : kind(std::move(k)) {
+    torch::manual_seed(4);
+    a = register_module("a", torch::nn::Linear(4, 3));
+    b = register_module("b", torch::nn::Linear(3, 2));
+  }
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context&) {
+    return torch::mse_loss(b(torch::tanh(a(batch.data))), batch.target);
+  }
+  std::unique_ptr<torch::optim::Optimizer> configure_optimizers() {
+    if (kind == "adamw") {
+      return std::make_unique<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(0.02).weight_decay(0.05));
+    }
+    if (kind == "adam") {
+      return std::make_unique<torch::optim::Adam>(parameters(),
+                                                  torch::optim::AdamOptions(0.02).weight_decay(0.01).amsgrad(true));
+    }
+    return std::make_unique<torch::optim::SGD>(parameters(),
+                                               torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+  }
+};
+TORCH_MODULE(OptNet);
+
+/// The file at `path` in the plain pickle a checkpoint is written in (no LibTorch type tags).
+void write_plain(const std::string& path, const volt::checkpoint::Dict& d) {
+  const auto bytes = volt::checkpoint::detail::pickle_plain(d);
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+/// For each optimizer kind: the checkpoint after 3 steps over one batch of all 16 samples (`opt_<kind>.ckpt`), and
+/// the weights after volt's 4th step, resumed from it (`opt_<kind>_next.ckpt`, weights only); the batch in `opt_io.pt`.
+void export_optimizers(const std::string& dir) {
+  torch::manual_seed(6);
+  const auto x = torch::randn({16, 4}), y = torch::randn({16, 2});
+  for (const std::string kind : {"adamw", "adam", "sgd"}) {
+    const auto loader = [&] { return volt::data::TensorLoader(x, y, {.batch_size = 16}); };
+    OptNet first(kind);
+    auto t3 = volt::make_trainer<volt::SingleDevice, volt::Fp64True, volt::CPU>({.max_steps = 3});
+    t3.fit(first, loader());
+    t3.save_checkpoint(dir + "/opt_" + kind + ".ckpt");
+    OptNet next(kind);
+    auto t4 = volt::make_trainer<volt::SingleDevice, volt::Fp64True, volt::CPU>({.max_steps = 4});
+    t4.fit(next, loader(), volt::NoLoader{}, dir + "/opt_" + kind + ".ckpt");
+    t4.save_checkpoint(dir + "/opt_" + kind + "_next.ckpt", /*weights_only=*/true);
+  }
+  auto io = volt::checkpoint::make_dict();
+  io.insert("input", x.to(torch::kFloat64));
+  io.insert("target", y.to(torch::kFloat64));
+  write_plain(dir + "/opt_io.pt", io);
+}
+
 int export_for_python(const std::string& dir) {
   fs::create_directories(dir);
   torch::manual_seed(3);
@@ -1229,15 +1344,16 @@ int export_for_python(const std::string& dir) {
   auto trainer = volt::make_trainer<volt::SingleDevice, volt::Fp32, volt::CPU>({.max_epochs = 1});
   trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = 16}));
   trainer.save_checkpoint(dir + "/model.ckpt");
+  trainer.save_checkpoint(dir + "/weights.ckpt", /*weights_only=*/true);
   net->eval();
   torch::NoGradGuard no_grad;
   const auto input = torch::randn({5, 1, 28, 28});
   auto io = volt::checkpoint::make_dict();
   io.insert("input", input);
   io.insert("output", net->forward(input));
-  const auto bytes = torch::pickle_save(io);
-  std::ofstream(dir + "/io.pt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  std::cout << "wrote " << dir << "/model.ckpt and " << dir << "/io.pt" << std::endl;
+  write_plain(dir + "/io.pt", io);
+  export_optimizers(dir);
+  std::cout << "wrote " << dir << "/model.ckpt, weights.ckpt, io.pt and the optimizers' opt_*.ckpt" << std::endl;
   return 0;
 }
 
@@ -1265,6 +1381,9 @@ const Mode kModes[] = {
      }},
     {"fsdp-sharded-exact", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
        return ddp_exact(a[2], after_dashes(argc, argv), "fsdp-sharded-fit");
+     }},
+    {"file-ops-kill", 2, "<dir> -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
+       return file_ops_kill(a[2], after_dashes(argc, argv));
      }},
     {"sharded-kill", 2, "<dir> [rounds] -- <mpirun...>", [](const std::vector<std::string>& a, int argc, char** argv) {
        return sharded_kill(a[2], a.size() > 3 && a[3] != "--" ? std::stoi(a[3]) : 3, after_dashes(argc, argv));
@@ -1315,6 +1434,10 @@ const Mode kModes[] = {
      }},
     {"fsdp-sharded-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
        return two_rank_fit<volt::Script, volt::FSDP<volt::Script, volt::Mpi>>(a[2], a[3], a.size() > 4 ? a[4] : "", true);
+     }},
+    {"fsdp-topk-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
+       return two_rank_fit<volt::Script, volt::FSDP<volt::Script, volt::Mpi>>(a[2], a[3], a.size() > 4 ? a[4] : "", true,
+                                                                                1);
      }},
     {"spawn-fit", 3, "<dir> <out> [ckpt]", [](const std::vector<std::string>& a, int, char**) {
        return two_rank_fit<volt::Spawn>(a[2], a[3], a.size() > 4 ? a[4] : "");

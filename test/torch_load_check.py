@@ -1,5 +1,7 @@
-"""Reads a volt checkpoint of the quick-start net with torch.load and checks that the same network built in
-Python gives the C++ model's outputs. Usage: torch_load_check.py <dir written by `resume export`>."""
+"""Reads volt checkpoints with torch.load as a Python user does (weights_only, PyTorch's default since 2.6): the
+quick-start net built in Python gives the C++ model's outputs, and Python's AdamW, Adam and SGD loaded from a
+checkpoint's optimizer state step to the weights of volt's own next step (float64, within 1e-12).
+Usage: torch_load_check.py <dir written by `resume export`>..."""
 import sys
 
 import torch
@@ -25,16 +27,47 @@ class Net(nn.Module):  # examples/quickstart_net.hpp
 
 
 def load(path):
-    """torch.load as a careful user on PyTorch >= 2.6 calls it: weights_only (the default there), allowing the
-    builders LibTorch's pickler writes for typed dicts and lists (torch.jit._pickle: they only rebuild a list or
-    restore a type annotation)."""
-    if hasattr(torch.serialization, "safe_globals"):
-        from torch.jit import _pickle
-        builders = [_pickle.restore_type_tag, _pickle.build_tensorlist, _pickle.build_intlist,
-                    _pickle.build_doublelist, _pickle.build_boollist]
-        with torch.serialization.safe_globals(builders):
-            return torch.load(path, weights_only=True)
-    return torch.load(path)
+    """torch.load as a Lightning user calls it: plainly on PyTorch 2.6 and later, whose default is weights_only=True
+    (tensors and plain containers only), and with weights_only=True on earlier versions that have it (1.13)."""
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 6):
+        return torch.load(path)
+    return torch.load(path, weights_only=True)
+
+
+class OptNet(nn.Module):  # test/resume.cpp's OptNetImpl
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def optimizers(folder):
+    """Python's AdamW, Adam and SGD take the state volt wrote and step once: the weights of volt's own next step."""
+    io = load(f"{folder}/opt_io.pt")
+    failed = 0
+    for kind, make in (("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)):
+        ckpt = load(f"{folder}/opt_{kind}.ckpt")
+        net = OptNet().double()
+        net.load_state_dict(ckpt["state_dict"])
+        saved = ckpt["optimizer_states"][0]
+        opt = make(net.parameters(), lr=1.0)  # every option comes from the file
+        opt.load_state_dict(saved)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(io["input"]), io["target"]).backward()
+        opt.step()
+        want = load(f"{folder}/opt_{kind}_next.ckpt")["state_dict"]
+        diff = max((p - want[n]).abs().max().item() for n, p in net.state_dict().items())
+        groups = saved["param_groups"][0]
+        print(f"{make.__name__}: state of {len(saved['state'])} parameters, lr {groups['lr']}, one step from it: "
+              f"max |weights - volt's next step| = {diff:.3g}")
+        if not diff <= 1e-12:
+            print(f"MISMATCH: {make.__name__}'s step from volt's state is {diff:.3g} off volt's")
+            failed += 1
+    return failed
 
 
 def main(folder):
@@ -55,8 +88,12 @@ def main(folder):
         print("MISMATCH")
         return 1
     print("outputs match")
-    return 0
+    weights = load(f"{folder}/weights.ckpt")  # a weights-only checkpoint reads the same way
+    if sorted(weights["state_dict"]) != sorted(ckpt["state_dict"]) or "optimizer_states" in weights:
+        print("MISMATCH: the weights-only checkpoint holds other entries")
+        return 1
+    return 1 if optimizers(folder) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(max(main(folder) for folder in sys.argv[1:]))

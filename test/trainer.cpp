@@ -162,12 +162,18 @@ TEST_CASE("limits, val_check_interval and max_steps give the expected numbers of
     auto c = run_counts({.max_epochs = 5, .check_val_every_n_epoch = 2}, 3, 2);
     CHECK(c.val_runs == 2);  // after epochs 1 and 3 (0-based)
   }
-  SECTION("max_steps ends the run mid-epoch, before that epoch's validation") {
+  SECTION("max_steps ends the run mid-epoch, before that epoch's validation, and leaves the epoch open") {
     auto c = run_counts({.max_epochs = 5, .max_steps = 7}, 10, 2);
     CHECK(c.steps == 7);
     CHECK(c.train_batches == 7);
-    CHECK(c.epochs == 1);
+    CHECK(c.epochs == 0);  // no on_train_epoch_end: the epoch is not over (docs/reference.md)
     CHECK(c.val_runs == 0);
+  }
+  SECTION("max_steps at an epoch's last batch ends the epoch") {
+    auto c = run_counts({.max_epochs = 5, .max_steps = 10}, 10, 2);
+    CHECK(c.steps == 10);
+    CHECK(c.epochs == 1);
+    CHECK(c.val_runs == 1);
   }
   SECTION("max_steps counts optimizer steps, not batches, under accumulation") {
     auto c = run_counts({.max_epochs = 5, .max_steps = 5, .accumulate_grad_batches = 3}, 10, 2);
@@ -178,7 +184,7 @@ TEST_CASE("limits, val_check_interval and max_steps give the expected numbers of
   SECTION("max_epochs unset with max_steps: steps decide") {
     auto c = run_counts({.max_steps = 25}, 10, 2);
     CHECK(c.steps == 25);
-    CHECK(c.epochs == 3);
+    CHECK(c.epochs == 2);  // two epochs ended; the third stays open after its fifth batch
   }
   SECTION("fast_dev_run=2: 2 training and 2 validation batches once, no sanity check") {
     auto c = run_counts({.max_epochs = 10, .fast_dev_run = 2}, 10, 5);

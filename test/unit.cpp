@@ -80,7 +80,8 @@ TEST_CASE("CPU thread findings: known answers for threads, binding, ranks and qu
   auto said = thread_findings(one);
   REQUIRE(said.size() == 1);
   CHECK_THAT(said[0], Contains("1 intra-op thread while this process may use 2 cores") &&
-                          Contains("OMP_NUM_THREADS=1 is set") && Contains("Set OMP_NUM_THREADS=2"));
+                          Contains("OMP_NUM_THREADS=1 is set") && Contains("set OMP_NUM_THREADS=2."));
+  CHECK(said[0].size() <= 120);  // one short line
   CHECK(thread_findings(plain_host(3, 4)).empty());  // 3 of 4: not half
   // 8 cores with 2 hyper-threads each: LibTorch's 8 threads are right, 16 are not too many
   auto smt = plain_host(8, 16);
@@ -229,7 +230,7 @@ TEST_CASE("a fit says once that OMP_NUM_THREADS=1 leaves cores idle", "[unit]") 
   const std::string out = run_notices_child("OMP_NUM_THREADS=1");
   INFO(out);
   CHECK(count_of(out, "LibTorch runs 1 intra-op thread while") == 1);
-  CHECK(count_of(out, "OMP_NUM_THREADS=1 is set in the environment") == 1);
+  CHECK(count_of(out, "OMP_NUM_THREADS=1 is set") == 1);
   const std::string full = run_notices_child("OMP_NUM_THREADS=" + std::to_string(v.affinity_cores));
   INFO(full);
   CHECK(count_of(full, "intra-op thread") == 0);

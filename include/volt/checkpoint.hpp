@@ -10,7 +10,7 @@
 /// | `epoch`, `global_step` | the epoch and the optimizer steps at the save, at the top level as Lightning's (also in weights-only checkpoints) |
 /// | `volt_version`, `torch_version` | the versions that wrote it |
 /// | `state_dict` | the module's parameters and buffers by dotted name, as `nn.Module.state_dict()`; CPU tensors |
-/// | `optimizer_states` | per optimizer (in configure_optimizers' order), its LibTorch archive as a uint8 tensor |
+/// | `optimizer_states` | per optimizer (in configure_optimizers' order): Adam's, AdamW's and SGD's as PyTorch's `optimizer.state_dict()` (`state` by parameter index, `param_groups`; volt/checkpoint/pytorch_optimizer.hpp), any other's LibTorch archive as a uint8 tensor |
 /// | `lr_schedulers` | per scheduler, `{"step_count": n, "optimizer": index of its optimizer}` |
 /// | `precision` | the precision's state (Fp16Mixed: the loss scaler's `scale`, `_growth_tracker`, ...) |
 /// | `loops` | `epoch`, `global_step`, `batch_in_epoch`, `total_batch_idx`, `epoch_finished`, `val_pending`, `should_stop`, `world_size`, `optimizer_steps` (each optimizer's steps), `batches_that_stepped`, `time_elapsed`, `batch_stepped` |
@@ -115,6 +115,7 @@ inline Dict make_dict() { return Dict(c10::StringType::get(), c10::AnyType::get(
 
 inline Dict decode(const std::vector<char>& bytes, const std::string& path);
 inline Dict read_sharded(const std::string& dir);  // volt/checkpoint/sharded.hpp
+inline void optimizers_from_pytorch(Dict& contents, const std::string& path);  // volt/checkpoint/pytorch_optimizer.hpp
 
 /// Reads and checks a checkpoint: a `CheckpointError` names the file and the fault (missing, empty, not a
 /// torch zip archive or cut short, not a volt checkpoint, a newer format, a checksum mismatch). A sharded checkpoint's
@@ -183,6 +184,7 @@ inline Dict decode(const std::vector<char>& bytes, const std::string& path) {
       << ", computed " << computed << ").";
     throw CheckpointError(s.str());
   }
+  optimizers_from_pytorch(d, path);  // PyTorch's optimizer state_dicts back as LibTorch archives (pytorch_optimizer.hpp)
   return d;
 }
 
@@ -309,7 +311,7 @@ inline WeightsMatch match_weights(const torch::nn::Module& module, const NamedTe
     if (b.value().defined()) mine.emplace(b.key(), b.value());
   }
   WeightsMatch m;
-  std::ostringstream shapes;
+  std::vector<std::string> shapes;  // "name (file [a, b], module [c, d])"
   std::set<std::string> seen;
   for (const auto& [k, t] : named) {
     seen.insert(k);
@@ -317,7 +319,9 @@ inline WeightsMatch match_weights(const torch::nn::Module& module, const NamedTe
     if (it == mine.end()) {
       m.unexpected.push_back(k);
     } else if (t.sizes() != it->second.sizes()) {
-      shapes << " " << k << " (file " << t.sizes() << ", module " << it->second.sizes() << ")";
+      std::ostringstream shape;
+      shape << k << " (file " << t.sizes() << ", module " << it->second.sizes() << ")";
+      shapes.push_back(shape.str());
     } else {
       m.copies.emplace_back(it->second, t);
       m.loaded.push_back(k);
@@ -327,11 +331,11 @@ inline WeightsMatch match_weights(const torch::nn::Module& module, const NamedTe
     if (!seen.count(k)) m.missing.push_back(k);
   }
   const bool none_fit = m.loaded.empty() && !named.empty() && !mine.empty();  // not strict either: surely a mistake
-  if (!shapes.str().empty() || ((strict || none_fit) && (!m.missing.empty() || !m.unexpected.empty()))) {
+  if (!shapes.empty() || ((strict || none_fit) && (!m.missing.empty() || !m.unexpected.empty()))) {
     std::string msg = "volt: the weights in " + origin + " do not fit this module:";
     if (!m.missing.empty()) msg += " " + detail::first_names(m.missing, "of the module's names missing") + ";";
     if (!m.unexpected.empty()) msg += " " + detail::first_names(m.unexpected, "of the file's not in the module") + ";";
-    if (!shapes.str().empty()) msg += " other shapes" + shapes.str() + ";";
+    if (!shapes.empty()) msg += " " + detail::first_names(shapes, "tensors of other shapes") + ";";
     msg += " nothing was loaded.";
     if (const std::string hint = detail::rename_hint(m.unexpected, m.missing); !hint.empty()) msg += " " + hint;
     if (none_fit && !strict) msg += " (Not one tensor matched, so the non-strict load refused too.)";
@@ -474,4 +478,5 @@ inline void set_rng_states(const std::vector<at::Tensor>& states) {
 }  // namespace checkpoint
 }  // namespace volt
 
-#include "volt/checkpoint/writer.hpp"  // saving: checkpoint::save, AsyncWriter, SaveOptions
+#include "volt/checkpoint/pytorch_optimizer.hpp"  // the optimizers' state as PyTorch's in the file
+#include "volt/checkpoint/writer.hpp"             // saving: checkpoint::save, AsyncWriter, SaveOptions

@@ -12,7 +12,7 @@
 /// | the backend was compiled in | `backend_traits<B>::available` (Nccl: VOLT_WITH_NCCL) | `Trainer<DDP<Spawn>, Fp32, GPU>` without `volt::nccl` |
 /// | a graphed accelerator can capture | `A::captures_step`, `A::graph_type` | `Trainer<SingleDevice, Fp32, Graphed<CPU>>` |
 /// | its graph type was compiled in | `A::graph_type::available` (the GPU's: VOLT_WITH_CUDA) | `Graphed<GPU>` against a LibTorch without CUDA |
-/// | graph mode runs in one process | `S::is_distributed`, `A::captures_step` | `Trainer<DDP<Script>, Bf16, Graphed<GPU>>` |
+/// | graph mode runs in one process (said before the build's rules) | `S::is_distributed`, `A::captures_step` | `Trainer<DDP<Script>, Bf16, Graphed<GPU>>` |
 /// | a loss-scaling precision agrees on skipped steps where the gradients are sharded | `S::shards_optimizer_state`, `P::scales_loss`, `P::agree_found_inf` | `Trainer<ZeRO<2>, MyScaledPrecision, GPU>` whose precision keeps `PrecisionDefaults::agree_found_inf` |
 ///
 /// What `fit` is given is checked when `fit` is instantiated (`detail::CheckedFit`): a module, its training_step for the
@@ -108,8 +108,8 @@ inline constexpr bool slots_permuted = !slots_ok<S, P, A> && (slots_ok<S, A, P> 
                                                               slots_ok<A, P, S>);
 
 /// The rules between the slots, in the order they are said.
-enum class Rule { none, graph_device, graph_compiled, fp16_autocast, backend_device, backend_compiled, bf16_autocast,
-                  graph_distributed, sharded_inf_unagreed };
+enum class Rule { none, graph_device, graph_distributed, graph_compiled, fp16_autocast, backend_device,
+                  backend_compiled, bf16_autocast, sharded_inf_unagreed };
 
 /// The first rule between the slots that is broken (`none` also when a slot does not hold its kind: that is said
 /// first, and alone).
@@ -120,12 +120,13 @@ constexpr Rule first_broken_rule() {
   } else {
     using B = bind_strategy_t<S, A>;
     if (graph_without_device<A>) return Rule::graph_device;
+    // before the build's: under a distributed strategy graph mode is refused whatever LibTorch was built with
+    if (captures_step<A> && S::is_distributed) return Rule::graph_distributed;
     if (graph_not_compiled<A>()) return Rule::graph_compiled;
     if (!Fp16AutocastAvailable<P, A>) return Rule::fp16_autocast;
     if (!BackendRunsOn<B, A>) return Rule::backend_device;
     if (!BackendCompiledIn<B>) return Rule::backend_compiled;
     if (!Bf16AutocastAvailable<P, A>) return Rule::bf16_autocast;
-    if (captures_step<A> && S::is_distributed) return Rule::graph_distributed;
     if (shards_optimizer_state<S> && P::scales_loss && default_inf_agreement<P>) return Rule::sharded_inf_unagreed;
     return Rule::none;
   }
@@ -165,6 +166,11 @@ struct CheckedSlots {
   static_assert(first_broken_rule<S, P, A>() != Rule::graph_device,
                 "volt: use Graphed<volt::GPU>, or the CPU without Graphed: graph mode captures steps in CUDA graphs, and "
                 "this accelerator has no graph type (A::graph_type), so its steps cannot be captured.");
+  static_assert(first_broken_rule<S, P, A>() != Rule::graph_distributed,
+                "volt: use SingleDevice with Graphed<GPU>, or the distributed strategy (DDP, ZeRO, FSDP, ModelParallel) "
+                "with the GPU without Graphed (they keep the fused optimizers): graph mode runs in one process, since "
+                "the distributed strategies reduce gradients (and FSDP gathers parameters) from host hooks during "
+                "forward and backward, which a captured step would run only once.");
   static_assert(first_broken_rule<S, P, A>() != Rule::graph_compiled,
                 "volt: build against a LibTorch with CUDA (pip's torch, or PyTorch's LibTorch archive for CUDA) through "
                 "volt's CMake target, which defines VOLT_WITH_CUDA=1, or train on volt::CPU: this accelerator's graphs "
@@ -184,10 +190,6 @@ struct CheckedSlots {
   static_assert(first_broken_rule<S, P, A>() != Rule::bf16_autocast,
                 "volt: use Fp32, or an accelerator with has_bf16_autocast: this precision autocasts to bfloat16, "
                 "which the accelerator does not offer.");
-  static_assert(first_broken_rule<S, P, A>() != Rule::graph_distributed,
-                "volt: use SingleDevice with Graphed<GPU>, or DDP or ZeRO with the GPU without Graphed (they keep "
-                "the fused optimizers): graph mode runs in one process, since DDP and ZeRO reduce gradients from "
-                "host hooks during backward, which a captured step would run only once.");
   static_assert(first_broken_rule<S, P, A>() != Rule::sharded_inf_unagreed,
                 "volt: give the precision an agree_found_inf(optimizer, max_over_ranks) that passes its inf/NaN flag to "
                 "max_over_ranks (as Fp16Mixed's does), or train under DDP: it scales the loss, and under ZeRO each rank "
@@ -250,9 +252,10 @@ struct CheckedFit {
                 "volt: fit was given a validation loader but the module has no validation_step for its batches. Add "
                 "`void validation_step(const Batch& batch, volt::Context& ctx)`, or call fit without the loader.");
   static_assert(!sharded_manual<S, M>,
-                "volt: train a module with manual optimization under DDP, or let ZeRO step it automatically: ZeRO "
-                "steps each rank's shard of the optimizer after the gradients' reduce-scatter and gathers the "
-                "parameters after it, which a training_step's own optimizer.step() would bypass.");
+                "volt: train a module with manual optimization under DDP, or let the sharded strategy (ZeRO<1>, "
+                "ZeRO<2>, FSDP, ModelParallel) step it automatically: a sharded strategy steps each rank's shard of "
+                "the optimizer after the gradients' reduce-scatter and gathers the parameters after it, which a "
+                "training_step's own optimizer.step() would bypass.");
   static constexpr bool ok = Module<M> && TrainableOn<M, Batch> && !several_optimizers_automatic<M>() &&
                              validates_on<M, ValBatch>() && !sharded_manual<S, M>;
 };

@@ -1,4 +1,4 @@
-// expect: use SingleDevice with Graphed<GPU>, or DDP or ZeRO with the GPU without Graphed
+// expect: use SingleDevice with Graphed<GPU>, or the distributed strategy .DDP, ZeRO, FSDP, ModelParallel. with the GPU without Graphed
 #include "../support/rerun_graph.hpp"  // RerunGraph, GraphCPU: graph mode on every LibTorch line
 struct Net : torch::nn::Module {
   torch::nn::Linear fc{nullptr};

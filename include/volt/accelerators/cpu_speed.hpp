@@ -139,20 +139,17 @@ inline CpuView read_cpu_view(int ranks) {
   return v;
 }
 
-/// Where LibTorch's thread count came from, for a sentence: the environment, a call or LibTorch's own count of the
-/// cores, which reads `low` on some virtual machines or high where it does not see the ranks or the quota.
-inline std::string thread_source(const CpuView& v, bool low) {
-  if (v.omp_num_threads) return "OMP_NUM_THREADS=" + *v.omp_num_threads + " is set in the environment";
-  return std::string("no OMP_NUM_THREADS is set, so the program called at::set_num_threads(") +
-         std::to_string(v.threads) + ") or LibTorch counted the cores itself" +
-         (low ? " (its count reads low on some virtual machines)"
-              : " (its count knows nothing of the other ranks on the host or of a cgroup's quota)");
+/// Where LibTorch's thread count came from, in a few words: the environment, or (unset) a call or LibTorch's own count
+/// of the cores, which reads low on some virtual machines and knows nothing of other ranks or a cgroup's quota.
+inline std::string thread_source(const CpuView& v) {
+  if (v.omp_num_threads) return "OMP_NUM_THREADS=" + *v.omp_num_threads + " is set";
+  return "OMP_NUM_THREADS unset";
 }
 
-/// The sentence for threads, if any. Each rank's fair share is the job's cores on this host (cpuset, quota) over its
-/// ranks there: bound to at most half of it, or running at most half of what it may use in threads, leaves cores idle
-/// (cores, as LibTorch's default counts them: a second hyper-thread adds little to dense math); more threads than the
-/// logical CPUs a rank can have (its affinity, its share) makes OpenMP teams spin against each other.
+/// The sentence for threads, if any: one short line. Each rank's fair share is the job's cores on this host (cpuset,
+/// quota) over its ranks there: bound to at most half of it, or running at most half of what it may use in threads,
+/// leaves cores idle (cores, as LibTorch's default counts them: a second hyper-thread adds little to dense math); more
+/// threads than the logical CPUs a rank can have (its affinity, its share) makes OpenMP teams spin against each other.
 inline std::vector<std::string> thread_findings(const CpuView& v) {
   const int cpus = v.quota ? std::min(v.host, *v.quota) : v.host;
   const int cores = v.quota ? std::min(v.host_cores, *v.quota) : v.host_cores;
@@ -161,26 +158,21 @@ inline std::vector<std::string> thread_findings(const CpuView& v) {
   const int share = std::max(1, std::min(v.affinity, cpus / v.ranks));
   const auto n = [](int k, const char* what) { return std::to_string(k) + " " + what + (k == 1 ? "" : "s"); };
   const std::string on_host = n(cores, "core") + (v.quota && *v.quota < v.host_cores ? " (its cgroup's quota)" : "") +
-                              (v.ranks > 1 ? " for " + std::to_string(v.ranks) + " ranks" : "");
+                              (v.ranks > 1 ? " for " + std::to_string(v.ranks) + " ranks" : "") + " here";
   if (2 * v.affinity_cores <= fair && !v.under_scheduler) {
-    return {"this process may run on " + n(v.affinity_cores, "core") + " only (its CPU affinity) while the job has " +
-            on_host + " on this host: " +
-            (v.under_mpirun ? "mpirun binds each rank to one core by default with 2 ranks or fewer. Pass mpirun "
-                              "--bind-to none, or --map-by slot:PE=" + std::to_string(fair) + " to give each rank " +
-                                  n(fair, "core") + "."
-                            : std::string("taskset, numactl or the program that started it bound it. Start it "
-                                          "unbound, or bound to ") + n(fair, "core") + ".")};
+    return {"this process may run on " + n(v.affinity_cores, "core") + " only (its CPU affinity; the job has " +
+            on_host + "): " +
+            (v.under_mpirun ? "pass mpirun --bind-to none, or --map-by slot:PE=" + std::to_string(fair) + "."
+                            : "start it unbound (taskset, numactl), or bound to " + n(fair, "core") + ".")};
   }
   if (2 * v.threads <= usable) {
     return {"LibTorch runs " + n(v.threads, "intra-op thread") + " while this process may use " + n(usable, "core") +
-            " (the job has " + on_host + " on this host): " + thread_source(v, true) + ". Set OMP_NUM_THREADS=" +
-            std::to_string(usable) + " (or call at::set_num_threads(" + std::to_string(usable) + "))."};
+            " (" + thread_source(v) + "); set OMP_NUM_THREADS=" + std::to_string(usable) + "."};
   }
   if (v.threads > share) {
     return {"LibTorch runs " + n(v.threads, "intra-op thread") + " per process where each may have " +
-            n(share, "CPU") + " (the job has " + on_host + " on this host), so OpenMP threads wait for each other: " +
-            thread_source(v, false) + ". Set OMP_NUM_THREADS=" + std::to_string(share) + " for each rank (or call "
-            "at::set_num_threads(" + std::to_string(share) + "))."};
+            n(share, "CPU") + " (" + on_host + "; " + thread_source(v) + "); set OMP_NUM_THREADS=" +
+            std::to_string(share) + " for each rank."};
   }
   return {};
 }

@@ -16,6 +16,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -55,8 +56,11 @@ namespace volt {
 /// leaves the top k.
 /// A monitored name that is missing is a warning until the fit's first validation has run (a step-based
 /// save can come before it), and an error after.
-/// `trainer.fit(module, train, val, "last")` resumes from the newest checkpoint it wrote (a fresh start
-/// when there is none yet), `"best"` from its best; `validate`, `test` and `predict` take the same names.
+/// `trainer.fit(module, train, val, "last")` resumes from the furthest `last*.ckpt` or `interrupted*.ckpt` that reads
+/// whole (find_last_checkpoint; a fresh start when there is none yet), `"best"` from its best; `validate`, `test` and
+/// `predict` take the same names. A deletion (a file leaving the top k) renames the file or folder away before deleting
+/// it, so a killed job leaves it whole or gone; what such a job left half done (temporaries named `.tmp.<pid>`) is
+/// deleted at the next save.
 /// A Trainer writes checkpoints through the ModelCheckpoint in its callbacks only (a stop signal's aside): Lightning's
 /// `enable_checkpointing=True` adds one unasked, volt does not, since the callbacks are the Trainer's type, chosen
 /// where it is declared (docs/reference.md, "Where volt departs from Lightning").
@@ -171,8 +175,8 @@ class ModelCheckpoint {
     if (!skip(trainer) && !saves_on_train_epoch_end(trainer)) save_at_epoch_end(trainer);
   }
 
-  /// `last.ckpt` at the fit's end when the fit trained past its newest save (max_steps inside an epoch whose
-  /// checkpoints come after validation, every_n_epochs > 1): `fit(..., "last")` then finds the end of the fit.
+  /// `last.ckpt` at the fit's end when the fit trained past its newest save (max_steps inside an epoch, which it
+  /// leaves open, every_n_epochs > 1): `fit(..., "last")` then finds the end of the fit.
   /// Lightning writes it only when this callback saved nothing in the fit, and also under fast_dev_run; volt
   /// departs on both, so that last.ckpt is always the fit's last state and fast_dev_run writes no file.
   template <class T, class M>
@@ -190,24 +194,23 @@ class ModelCheckpoint {
   const std::map<std::string, double>& best_k_models() const { return best_k_; }
   std::string dirpath() const { return dirpath_.empty() ? options_.dirpath : dirpath_; }
 
-  /// The newest checkpoint in its folder: the most recently written `.ckpt` file (`last.ckpt` on a tie, and
-  /// a stop signal's `interrupted.ckpt` when that came last); "" when the folder holds none.
+  /// The checkpoint `fit(..., "last")` resumes from, as Lightning looks among `last*.ckpt` only: of the `last*.ckpt`
+  /// and `interrupted*.ckpt` (a stop signal's) in its folder, the one that reads whole (`checkpoint::read`: every byte
+  /// checked) with the highest recorded step (then the most batches trained, then the later written); the folder's
+  /// other checkpoints only where none of those reads. A candidate that does not read (a file or folder a killed job
+  /// left torn) is passed over with a warning naming it. "" when no checkpoint reads.
   template <class T>
   std::string find_last_checkpoint(const T& trainer) const {
-    const std::filesystem::path dir = folder(trainer);
-    const std::string last = (dir / (std::string(kLastName) + kExtension)).string();
+    std::vector<std::filesystem::path> named, others;
     std::error_code ec;
-    std::string newest;
-    std::filesystem::file_time_type newest_time{};
-    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    for (const auto& e : std::filesystem::directory_iterator(folder(trainer), ec)) {
       if (!checkpoint::is_checkpoint_entry(e) || e.path().extension() != kExtension) continue;
-      const auto t = e.last_write_time(ec);
-      if (newest.empty() || t > newest_time || (t == newest_time && e.path().string() == last)) {
-        newest = e.path().string();
-        newest_time = t;
-      }
+      const std::string stem = e.path().stem().string();
+      const bool last = stem.rfind(kLastName, 0) == 0 || stem.rfind(kInterruptedName, 0) == 0;
+      (last ? named : others).push_back(e.path());
     }
-    return newest;
+    std::string found = newest_readable(trainer, named);
+    return found.empty() ? newest_readable(trainer, others) : found;
   }
 
   /// Where a stop signal's checkpoint goes (the Trainer writes it; `find_last_checkpoint` finds it): `interrupted.ckpt`,
@@ -348,6 +351,38 @@ class ModelCheckpoint {
     return buf;
   }
 
+  /// Of `paths`, the checkpoint that reads whole with the highest (global step, batches trained, time written); a
+  /// warning (rank zero) for each that does not read; "" when none does.
+  template <class T>
+  static std::string newest_readable(const T& trainer, std::vector<std::filesystem::path> paths) {
+    std::sort(paths.begin(), paths.end());  // the same order on every rank, whatever the folder's listing
+    std::string best;
+    std::tuple<int64_t, int64_t, std::filesystem::file_time_type> best_key{};
+    for (const auto& p : paths) {
+      try {
+        const checkpoint::Dict d = checkpoint::read(p.string());
+        const int64_t step = d.contains(checkpoint::keys::global_step) ? d.at(checkpoint::keys::global_step).toInt() : 0;
+        int64_t batches = 0;
+        if (d.contains(checkpoint::keys::loops)) {
+          const auto loops = d.at(checkpoint::keys::loops).toGenericDict();
+          if (loops.contains("total_batch_idx")) batches = loops.at("total_batch_idx").toInt();
+        }
+        std::error_code ec;
+        const auto key = std::make_tuple(step, batches, std::filesystem::last_write_time(p, ec));
+        if (best.empty() || key > best_key) {
+          best = p.string();
+          best_key = key;
+        }
+      } catch (const std::exception& e) {
+        if (trainer.is_global_zero()) {
+          std::cerr << "volt: ModelCheckpoint: \"last\" passes over " << p.string() << ", which does not read: "
+                    << e.what() << "\n";
+        }
+      }
+    }
+    return best;
+  }
+
   /// Whether the running fit resumed from `path`.
   template <class T>
   static bool resumed_from(const T& trainer, const std::string& path) {
@@ -473,10 +508,11 @@ class ModelCheckpoint {
              std::to_string(trainer.global_step()) + ")\n";
     }
     auto done = [doomed, said] {
-      std::error_code ec;
-      for (const auto& p : doomed) std::filesystem::remove_all(p, ec);  // a file, or a sharded checkpoint's folder
+      for (const auto& p : doomed) checkpoint::remove_atomically(p);  // a file, or a sharded checkpoint's folder
       std::cout << said;
     };
+    // What saves and deletions cut short (a killed job) left behind goes before this save writes (rank zero).
+    if (trainer.is_global_zero()) checkpoint::remove_stale_temporaries(dirpath_);
     std::vector<std::string> paths;  // one state, serialised once, to each (nothing to delete or say when none)
     for (const auto& p : {written, last}) {
       if (!p.empty()) paths.push_back(p);

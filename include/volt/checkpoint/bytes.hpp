@@ -97,11 +97,20 @@ inline uint32_t checksum(const c10::IValue& v, uint32_t c) {
   }
   if (v.isGenericDict()) {
     const auto d = v.toGenericDict();
-    std::vector<std::string> keys;
-    for (const auto& e : d) keys.push_back(e.key().toStringRef());
-    std::sort(keys.begin(), keys.end());
+    std::vector<std::pair<std::string, c10::IValue>> items;  // by key: a string as it is, an integer as "#<n>"
+    for (const auto& e : d) {
+      if (e.key().isInt()) {
+        items.emplace_back("#" + std::to_string(e.key().toInt()), e.value());
+      } else if (e.key().isString()) {
+        items.emplace_back(e.key().toStringRef(), e.value());
+      } else {
+        throw CheckpointError("volt: a checkpoint's dictionaries have string or integer keys; got a " +
+                              e.key().tagKind());
+      }
+    }
+    std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     c = crc(c, "{");
-    for (const auto& k : keys) c = checksum(d.at(k), crc(c, k));
+    for (const auto& [k, value] : items) c = checksum(value, crc(c, k));
     return crc(c, "}");
   }
   if (v.isList()) {

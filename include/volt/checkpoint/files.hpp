@@ -2,17 +2,22 @@
 /// \file
 /// The file side of checkpoints, under volt/checkpoint.hpp and the safetensors writer: atomic writes (a temporary
 /// file in the same folder, fsync, rename, fsync of the folder: a process killed mid-write leaves the previous file
-/// whole), a file or folder swapped in place of another (`replace_atomically`), the check that a folder takes checkpoints before training starts, and the version counter's free names.
+/// whole), a file or folder swapped in place of another (`replace_atomically`), one deleted whole or not at all
+/// (`remove_atomically`), what saves cut short left deleted (`remove_stale_temporaries`), the check that a folder takes
+/// checkpoints before training starts, and the version counter's free names.
 
 #include "volt/checkpoint/bytes.hpp"
 #include "volt/errors.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>  // renameat2
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -22,6 +27,39 @@
 
 namespace volt {
 namespace checkpoint {
+
+namespace detail {
+
+/// Test-only: `VOLT_TEST_KILL_AFTER_FILE_OPS=<marker>:<n>` SIGKILLs the job's rank-zero process (OMPI_COMM_WORLD_RANK,
+/// else RANK, unset or 0) right after its n-th file operation of a save or a deletion, counted from the first whose path
+/// holds `marker` (`step=4.ckpt`), so that a test can end a job after each operation in turn. Without it, nothing.
+inline void after_file_op(const std::string& path) {
+  struct Plan {
+    std::string marker;
+    long at = 0;
+  };
+  static const Plan plan = [] {
+    Plan p;
+    const char* spec = std::getenv("VOLT_TEST_KILL_AFTER_FILE_OPS");
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (rank == nullptr) rank = std::getenv("RANK");
+    if (spec == nullptr || (rank != nullptr && std::string(rank) != "0")) return p;
+    const std::string text = spec;
+    const auto colon = text.rfind(':');
+    if (colon == std::string::npos) return p;
+    p.marker = text.substr(0, colon);
+    p.at = std::atol(text.c_str() + colon + 1);
+    return p;
+  }();
+  static std::atomic<long> done{0};
+  static std::atomic<bool> counting{false};
+  if (plan.at <= 0) return;
+  if (!counting && path.find(plan.marker) == std::string::npos) return;
+  counting = true;
+  if (++done == plan.at) ::raise(SIGKILL);
+}
+
+}  // namespace detail
 
 /// Puts `tmp` (a file or a folder) at `path` in one step and flushes the folder: a rename where `path` is absent or both
 /// are files; else (a sharded checkpoint's folder in place of a file, or the other way round) a swap, Linux's
@@ -34,13 +72,57 @@ inline void replace_atomically(const std::string& tmp, const std::string& path) 
                     (there != std::filesystem::file_type::not_found && std::filesystem::is_directory(tmp, ec));
   if (!swap) {
     if (::rename(tmp.c_str(), path.c_str()) != 0) detail::fail_errno("renaming the finished checkpoint onto", path);
+    detail::after_file_op(path);
   } else {
     if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_EXCHANGE) != 0) {
       detail::fail_errno("swapping the finished checkpoint with what is at", path);
     }
-    std::filesystem::remove_all(tmp, ec);  // the previous checkpoint
+    detail::after_file_op(path);
+    std::filesystem::remove_all(tmp, ec);  // the previous checkpoint (a temporary's name: no reader takes it)
+    detail::after_file_op(tmp);
   }
   detail::fsync_dir(std::filesystem::path(path).parent_path());
+  detail::after_file_op(path);
+}
+
+/// Deletes the checkpoint (file or sharded folder) at `path` so that it is there whole or not at all: renamed to a
+/// temporary's name first (`<path>.tmp.<pid>`, which no reader takes for a checkpoint, and the next save of a
+/// ModelCheckpoint in the folder deletes: `remove_stale_temporaries`), then deleted. Nothing where `path` is absent.
+inline void remove_atomically(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::symlink_status(path, ec).type() == std::filesystem::file_type::not_found) return;
+  const std::string doomed = path + ".tmp." + std::to_string(::getpid());
+  std::filesystem::remove_all(doomed, ec);
+  if (::rename(path.c_str(), doomed.c_str()) != 0) {
+    std::filesystem::remove_all(path, ec);  // (cannot be renamed: deleted in place, as before)
+    return;
+  }
+  detail::after_file_op(path);
+  detail::fsync_dir(std::filesystem::path(path).parent_path());
+  std::filesystem::remove_all(doomed, ec);
+  detail::after_file_op(doomed);
+}
+
+/// Deletes what saves and deletions cut short left in `folder`: every entry named `<name>.tmp.<pid>` (a checkpoint's
+/// temporary file or folder, or one being deleted) of a process other than this one that no longer runs on this host.
+/// Returns how many were deleted.
+inline int remove_stale_temporaries(const std::filesystem::path& folder) {
+  int removed = 0;
+  std::error_code ec;
+  std::vector<std::filesystem::path> stale;
+  for (const auto& e : std::filesystem::directory_iterator(folder, ec)) {
+    const std::string name = e.path().filename().string();
+    const auto at = name.rfind(".tmp.");
+    if (at == std::string::npos || at + 5 >= name.size()) continue;
+    const std::string pid = name.substr(at + 5);
+    if (pid.find_first_not_of("0123456789") != std::string::npos || pid.size() > 9) continue;
+    const long owner = std::atol(pid.c_str());
+    const bool alive = owner > 0 && (::kill(static_cast<pid_t>(owner), 0) == 0 || errno == EPERM);
+    if (owner == static_cast<long>(::getpid()) || alive) continue;
+    stale.push_back(e.path());
+  }
+  for (const auto& p : stale) removed += std::filesystem::remove_all(p, ec) > 0 ? 1 : 0;
+  return removed;
 }
 
 /// Writes `pieces` one after another to `path` atomically (temporary file in the same folder, fsync, rename, fsync of
@@ -75,6 +157,7 @@ inline void write_atomic(const std::string& path, const std::vector<std::pair<co
     errno = saved;
     detail::fail_errno("flushing the checkpoint", tmp);
   }
+  detail::after_file_op(path);
   try {
     replace_atomically(tmp, path);
   } catch (...) {

@@ -23,6 +23,7 @@
 #include "volt/checkpoint/safetensors.hpp"
 #include "volt/checkpoint/writer.hpp"
 #include "volt/checkpoint/optimizer_state.hpp"
+#include "volt/checkpoint/pytorch_optimizer.hpp"
 
 #include <nlohmann/json.hpp>
 #include <torch/optim/adam.h>
@@ -123,19 +124,6 @@ struct ShardedSave {
   /// Every rank's bytes in rank order, on every rank (the strategy's `host_all_gather`).
   std::function<std::vector<std::string>(const std::string&)> all_gather;
 };
-
-/// An optimizer of `family` (detail::optimizer_family_name) over `groups`; for the archives of a sharded checkpoint.
-inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& family,
-                                                               std::vector<torch::optim::OptimizerParamGroup> groups,
-                                                               const std::string& path) {
-  if (family == "torch::optim::AdamW") return std::make_unique<torch::optim::AdamW>(std::move(groups));
-  if (family == "torch::optim::Adam") return std::make_unique<torch::optim::Adam>(std::move(groups));
-  if (family == "torch::optim::SGD") {
-    return std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(0.0));
-  }
-  throw CheckpointError("volt: " + path + " holds the sharded state of a " + family + "; a sharded checkpoint holds "
-                        "Adam's, AdamW's and SGD's in pieces (other optimizers' whole, in meta.ckpt).");
-}
 
 /// `optimizer`'s archive with its groups' options and no per-parameter state, its groups holding `groups` (the layout
 /// of an unsharded run).
@@ -283,6 +271,7 @@ inline void save_sharded(const std::vector<std::string>& paths, const ShardedSav
     for (const auto& p : paths) fs::remove_all(temporary(p), ec);  // a save of this process that failed
     fs::create_directories(temporary(paths.front()), ec);
     if (ec) throw CheckpointError("volt: cannot create " + temporary(paths.front()) + ": " + ec.message());
+    ::volt::checkpoint::detail::after_file_op(paths.front());
   }
   s.all_gather(std::string());  // the folder is there, empty
   const std::vector<std::string> described = s.all_gather(detail::write_rank_file(temporary(paths.front()), s).dump());
@@ -297,6 +286,7 @@ inline void save_sharded(const std::vector<std::string>& paths, const ShardedSav
       for (const auto& e : fs::directory_iterator(first)) {
         fs::create_hard_link(e.path(), other / e.path().filename(), ec);
         if (ec) fs::copy_file(e.path(), other / e.path().filename(), fs::copy_options::overwrite_existing);
+        ::volt::checkpoint::detail::after_file_op(paths[k]);
       }
       ::volt::checkpoint::detail::fsync_dir(other);
     }

@@ -10,6 +10,8 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/api/include/torch/version.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
 #include <exception>
@@ -25,9 +27,10 @@
 namespace volt {
 namespace checkpoint {
 
-/// A copy of `v` whose dicts and lists are its own, rebuilt with their types: the pickler memoizes a container
-/// shared elsewhere (its use count above one), so without this the bytes of a save would depend on who else holds
-/// its pieces. `copy_tensors`: tensors copied too, into memory training cannot change (CPU tensors cloned, CUDA
+/// A copy of `v` whose dicts and lists are its own (lists as plain lists of any element): the pickler memoizes a
+/// container shared elsewhere (its use count above one), so without this the bytes of a save would depend on who else
+/// holds its pieces; and a list of tensors or numbers pickles as a LibTorch builder call (`build_tensorlist`) that
+/// Python's `torch.load(weights_only=True)` refuses. `copy_tensors`: tensors copied too, into memory training cannot change (CPU tensors cloned, CUDA
 /// tensors copied into pinned host memory); else shared. Numbers and strings are immutable and shared.
 inline c10::IValue unshared(const c10::IValue& v, bool copy_tensors) {
   if (v.isTensor()) {
@@ -46,7 +49,7 @@ inline c10::IValue unshared(const c10::IValue& v, bool copy_tensors) {
   }
   if (v.isList()) {
     const auto l = v.toList();
-    c10::impl::GenericList out(l.elementType());
+    c10::impl::GenericList out(c10::AnyType::get());  // a plain list: a typed one pickles as a builder call
     out.reserve(l.size());
     for (const auto& e : l) out.push_back(unshared(e, copy_tensors));
     return out;
@@ -54,6 +57,35 @@ inline c10::IValue unshared(const c10::IValue& v, bool copy_tensors) {
   if (v.isTuple() && copy_tensors) return v.deepcopy();
   return v;
 }
+
+namespace detail {
+
+/// `torch::pickle_save(v)` (the zip of `torch.save`: `data.pkl` and one record per tensor) without the type tags
+/// LibTorch's pickler puts on dicts and lists (`torch.jit._pickle.restore_type_tag`): Python's
+/// `torch.load(weights_only=True)`, PyTorch's default since 2.6, refuses any global but tensors and plain containers.
+/// Read back, every dict and list is of any element, which volt's readers take.
+inline std::vector<char> pickle_plain(const c10::IValue& v) {
+  std::vector<char> data;
+  torch::jit::Pickler pickler([&](const char* buf, size_t size) { data.insert(data.end(), buf, buf + size); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+                              /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(v);
+  pickler.stop();
+  std::vector<char> zip;
+  zip.reserve(data.size());
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* bytes, size_t len) {
+      const char* b = static_cast<const char*>(bytes);
+      zip.insert(zip.end(), b, b + len);
+      return len;
+    });
+    torch::jit::writeArchiveAndTensors("data", data.data(), data.size(), pickler.tensorData(), writer);
+  }  // the writer ends the zip as it goes
+  return zip;
+}
+
+}  // namespace detail
 
 /// Where the weights-only safetensors file of the checkpoint at `path` goes: beside it, its `.ckpt` replaced
 /// (`epoch=1-step=20.ckpt` -> `epoch=1-step=20.safetensors`; a path with another ending gets `.safetensors` added).
@@ -92,6 +124,7 @@ inline TensorFile weights_of(const Dict& contents, const std::string& path) {
 inline void save(const std::vector<std::string>& paths, const Dict& given, bool weights_beside_each = false) {
   const std::string path = paths.empty() ? std::string() : paths.front();
   Dict contents = unshared(given, /*copy_tensors=*/false).toGenericDict();  // the same bytes whoever shares a piece
+  optimizers_to_pytorch(contents);  // Adam's, AdamW's and SGD's state as PyTorch's state_dict (pytorch_optimizer.hpp)
   contents.insert_or_assign("format", std::string(kFormat));
   contents.insert_or_assign("format_version", kFormatVersion);
   contents.insert_or_assign("volt_version", std::string(version_string));
@@ -102,7 +135,7 @@ inline void save(const std::vector<std::string>& paths, const Dict& given, bool 
   const TensorFile weights = weights_beside_each ? weights_of(contents, path) : TensorFile{};
   std::vector<char> bytes;
   try {
-    bytes = torch::pickle_save(contents);
+    bytes = detail::pickle_plain(contents);
   } catch (const c10::Error& e) {
     throw CheckpointError("volt: serializing the checkpoint for " + path + " failed: " + detail::first_line(e.what()));
   }

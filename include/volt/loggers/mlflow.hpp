@@ -28,7 +28,8 @@
 /// - **The end**: FINISHED, FAILED (an exception) or KILLED (a stop signal, the fit to be resumed), once everything
 ///   queued is sent (`finalize` waits for it).
 /// - **Checkpoints** (`log_model`): `all` uploads each file a save writes (`checkpoints/<file name>`, a sharded
-///   checkpoint's folder file by file) as it lands; `at_end` uploads, when a fit finishes, the latest file of each
+///   checkpoint's folder file by file) as it lands, hard-linked beside it then (`<name>.upload<n>.tmp.<pid>`, deleted
+///   once sent), so that a file leaving the top k before its upload still goes; `at_end` uploads, when a fit finishes, the latest file of each
 ///   name that is still there (the top k and `last.ckpt`); through the server's artifact proxy (`mlflow server`
 ///   serves artifacts by default), or copied when the run's artifact location is a local folder (`file:`).
 /// - **Failures do not stop training**: a server that cannot be reached, or keeps failing, through the retries of
@@ -43,6 +44,8 @@
 #include "volt/loggers/mlflow_client.hpp"
 #include "volt/checkpoint.hpp"
 #include "volt/stage.hpp"
+
+#include <unistd.h>
 
 #include <array>
 #include <atomic>
@@ -100,6 +103,9 @@ class MLFlowLogger {
     std::optional<double> timeout_s;
     std::optional<int> max_retries;
     std::optional<double> backoff_s;
+    /// A fit whose run cannot be opened (the server gives no answer, or refuses the credentials) fails as it starts,
+    /// naming the server (as Lightning's logger does); true: that is one warning and the fit trains without MLflow.
+    bool continue_without_server = false;
   };
 
   MLFlowLogger() : MLFlowLogger(Options{}) {}
@@ -132,7 +138,21 @@ class MLFlowLogger {
   /// validate, test or predict run's at its first event.
   template <class T, class M>
   void on_fit_start(T&, M&) {
-    if (shared_->enabled) start();
+    if (!shared_->enabled) return;
+    start();
+    if (options_.continue_without_server) return;
+    std::string failure;
+    {
+      std::unique_lock lock(shared_->m);  // the run's creation answered (or the retries' bound passed)
+      shared_->idle.wait(lock, [&] { return shared_->opened || shared_->broken; });
+      failure = shared_->open_failure;
+    }
+    if (!failure.empty()) {
+      throw ConfigError("volt: MLFlowLogger: the run could not be opened at " +
+                        mlflow::Connection::redacted(connection_.tracking_uri) + " (" + failure + "), so the fit "
+                        "does not start. Start the server or correct MLFLOW_TRACKING_URI, or set "
+                        "MLFlowLogger::Options::continue_without_server = true to train without it.");
+    }
   }
 
   void log_hyperparams(const Json& params) {
@@ -186,7 +206,11 @@ class MLFlowLogger {
       if (!shared_->started) return;
     }
     if (options_.log_model == LogModel::all) {
-      enqueue([&](Work& w) { w.uploads.insert(w.uploads.end(), files.begin(), files.end()); });
+      std::vector<Upload> staged;  // linked before the save returns: a file leaving the top k cannot take it first
+      for (const auto& f : files) {
+        if (auto u = stage(f, shared_->staged++)) staged.push_back(std::move(*u));
+      }
+      enqueue([&](Work& w) { w.uploads.insert(w.uploads.end(), staged.begin(), staged.end()); });
     } else {
       std::lock_guard lock(shared_->m);
       for (const auto& f : files) shared_->at_end[std::filesystem::path(f).filename().string()] = f;
@@ -197,10 +221,10 @@ class MLFlowLogger {
   void finalize(RunStatus status) {
     if (!shared_->enabled) return;
     start();
-    std::vector<std::string> uploads;
+    std::vector<Upload> uploads;
     if (status == RunStatus::finished && options_.log_model == LogModel::at_end) {
       std::lock_guard lock(shared_->m);
-      for (const auto& [name, file] : shared_->at_end) uploads.push_back(file);
+      for (const auto& [name, file] : shared_->at_end) uploads.push_back({file, name, nullptr});
       shared_->at_end.clear();
     }
     enqueue([&](Work& w) {
@@ -241,9 +265,28 @@ class MLFlowLogger {
   static constexpr std::size_t kMaxBatch = 1000;        // entities in one log-batch request
   static constexpr std::size_t kMaxParamsBatch = 100;   // parameters in one
 
+  /// A checkpoint file (or a sharded checkpoint's folder) hard-linked beside it as its save landed (`stage`), so that
+  /// the checkpoint leaving the top k cannot delete it before its upload; deleted once the last upload holding it is
+  /// done or dropped.
+  struct Staged {
+    std::filesystem::path path;
+    Staged() = default;
+    Staged(const Staged&) = delete;
+    Staged& operator=(const Staged&) = delete;
+    ~Staged() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  /// What an upload reads (`path`, a file or a folder) and sends as `checkpoints/<name>`.
+  struct Upload {
+    std::filesystem::path path;
+    std::string name;
+    std::shared_ptr<const Staged> staged;
+  };
   struct Work {
     std::vector<Json> params, metrics;
-    std::vector<std::string> uploads;
+    std::vector<Upload> uploads;
     std::optional<RunStatus> end;
     bool resume = false;  // set the run back to RUNNING first
     bool empty() const { return params.empty() && metrics.empty() && uploads.empty() && !end && !resume; }
@@ -259,8 +302,52 @@ class MLFlowLogger {
     std::map<std::string, std::string> at_end;  // file name -> its latest path (log_model = at_end)
     std::string run_id, artifact_uri;
     std::atomic<bool> broken{false};
+    std::string open_failure;  // why the run could not be opened (unless continue_without_server)
+    std::atomic<uint64_t> staged{0};  // uploads staged so far (each its own name)
     std::set<std::string> said;  // warnings given, each once
   };
+
+  /// `file` staged for its upload: each of its files hard-linked (copied where the file system cannot link) into
+  /// `<file>.upload<n>.tmp.<pid>` beside it, a temporary's name that no reader takes for a checkpoint and that the
+  /// folder's next save deletes when a killed job left it. The file itself, unstaged, where that fails; none where it
+  /// is gone.
+  static std::optional<Upload> stage(const std::string& file, uint64_t n) {
+    namespace fs = std::filesystem;
+    const fs::path from(file);
+    std::error_code ec;
+    if (!fs::exists(from, ec)) return std::nullopt;
+    auto staged = std::make_shared<Staged>();
+    staged->path = from.parent_path() / (from.filename().string() + ".upload" + std::to_string(n) + ".tmp." +
+                                         std::to_string(::getpid()));
+    const auto place = [&](const fs::path& a, const fs::path& b) {
+      fs::create_hard_link(a, b, ec);
+      if (ec) {
+        ec.clear();
+        fs::copy_file(a, b, fs::copy_options::overwrite_existing, ec);
+      }
+      return !ec;
+    };
+    bool ok = true;
+    if (fs::is_directory(from, ec)) {
+      fs::create_directories(staged->path, ec);
+      ok = !ec;
+      for (auto it = fs::recursive_directory_iterator(from, ec); ok && !ec && it != fs::recursive_directory_iterator();
+           it.increment(ec)) {
+        const fs::path to = staged->path / it->path().lexically_relative(from);
+        if (it->is_directory(ec)) {
+          fs::create_directories(to, ec);
+          ok = !ec;
+        } else if (it->is_regular_file(ec)) {
+          ok = place(it->path(), to);
+        }
+      }
+      ok = ok && !ec;
+    } else {
+      ok = place(from, staged->path);
+    }
+    if (!ok) return Upload{from, from.filename().string(), nullptr};  // (what was staged goes with `staged`)
+    return Upload{staged->path, from.filename().string(), std::move(staged)};
+  }
 
   /// Up to `n` items of `v` from `i`, as a JSON array.
   static Json slice(const std::vector<Json>& v, std::size_t i, std::size_t n) {
@@ -351,7 +438,7 @@ class MLFlowLogger {
   static void send_loop(Shared& s, const mlflow::Connection& c, const Options& o, const std::string& id);
   static void open_run(Shared& s, mlflow::Client& client, const Options& o, const std::string& id);
   static void send(Shared& s, mlflow::Client& client, Work& w);
-  static void upload(Shared& s, mlflow::Client& client, const std::string& file);
+  static void upload(Shared& s, mlflow::Client& client, const Upload& u);
   static void note(Shared& s, const std::string& what) {
     std::lock_guard lock(s.m);
     if (s.said.insert(what).second) {
@@ -386,17 +473,21 @@ inline void MLFlowLogger::send_loop(Shared& s, const mlflow::Connection& c, cons
       opened = true;
       send(s, *client, w);
     } catch (const mlflow::Unreachable& e) {
-      note(s, std::string("the tracking server gave no answer, so nothing more of this run goes to MLflow (the other "
-                          "loggers go on): ") +
-                  e.what());
+      if (opened || o.continue_without_server) {
+        note(s, std::string("the tracking server gave no answer, so nothing more of this run goes to MLflow (the "
+                            "other loggers go on): ") +
+                    e.what());
+      }
       std::lock_guard lock(s.m);
+      if (!opened && !o.continue_without_server) s.open_failure = std::string("no answer: ") + e.what();
       s.broken = true;
       s.queue = Work{};
       opened = true;
     } catch (const std::exception& e) {
-      note(s, e.what());
+      if (opened || o.continue_without_server) note(s, e.what());
       if (!opened) {  // no run to log to (credentials refused, say): nothing more is sent
         std::lock_guard lock(s.m);
+        if (!o.continue_without_server) s.open_failure = e.what();
         s.broken = true;
         s.queue = Work{};
       }
@@ -483,13 +574,13 @@ inline void MLFlowLogger::send(Shared& s, mlflow::Client& client, Work& w) {
       note(s, std::string("metrics refused: ") + e.what());
     }
   }
-  for (const auto& file : w.uploads) {
+  for (const Upload& u : w.uploads) {
     try {
-      upload(s, client, file);
+      upload(s, client, u);
     } catch (const mlflow::Unreachable&) {
       throw;
     } catch (const std::exception& e) {
-      note(s, "checkpoint " + file + " not uploaded: " + e.what());
+      note(s, "checkpoint " + u.name + " not uploaded: " + e.what());
     }
   }
   if (w.end) {
@@ -499,13 +590,13 @@ inline void MLFlowLogger::send(Shared& s, mlflow::Client& client, Work& w) {
 }
 
 /// A checkpoint file (or a sharded checkpoint's folder, file by file) to `checkpoints/` among the run's artifacts.
-inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::string& file) {
+inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const Upload& u) {
   std::string uri;
   {
     std::lock_guard lock(s.m);
     uri = s.artifact_uri;
   }
-  const std::filesystem::path root(file);
+  const std::filesystem::path& root = u.path;
   std::vector<std::pair<std::filesystem::path, std::string>> files;  // each file and its artifact path
   std::error_code ec;
   if (std::filesystem::is_directory(root, ec)) {
@@ -513,13 +604,15 @@ inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::s
          !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
       const auto& e = *it;
       if (e.is_regular_file(ec)) {
-        files.emplace_back(e.path(), "checkpoints/" + (root.filename() / e.path().lexically_relative(root)).string());
+        files.emplace_back(e.path(), "checkpoints/" + (std::filesystem::path(u.name) / e.path().lexically_relative(root)).string());
       }
     }
   } else if (std::filesystem::is_regular_file(root, ec)) {
-    files.emplace_back(root, "checkpoints/" + root.filename().string());
+    files.emplace_back(root, "checkpoints/" + u.name);
+  } else if (u.staged) {
+    throw std::runtime_error("its staged copy is gone");
   } else {
-    return;  // left the top k (deleted) before its upload: nothing to send
+    return;  // at_end: a file that left the top k (deleted) is not sent
   }
   const std::string proxy = "mlflow-artifacts:";
   for (const auto& [path, name] : files) {
@@ -533,7 +626,7 @@ inline void MLFlowLogger::upload(Shared& s, mlflow::Client& client, const std::s
         escaped += '/';  // appended piece by piece: GCC 12 warns falsely on `"/" + std::string` here
         escaped += client.escape(part.string());
       }
-      client.upload(rest + escaped, path);  // a file gone by now (left the top k) is passed over
+      client.upload(rest + escaped, path);
     } else if (uri.rfind("file:", 0) == 0 || (!uri.empty() && uri.front() == '/')) {
       std::string dir = uri.rfind("file://", 0) == 0 ? uri.substr(7) : uri.rfind("file:", 0) == 0 ? uri.substr(5) : uri;
       const std::filesystem::path to = std::filesystem::path(dir) / name;

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -220,14 +221,29 @@ class Client {
     }
   }
 
-  /// MLflow's `{"error_code": ..., "message": ...}`, or the body's start.
+  /// MLflow's `{"error_code": ..., "message": ...}`, or the body's start as one line: an HTML page (a wrong path's
+  /// 404) without its tags, every run of white space one space, at most 200 characters.
   static std::string server_message(const std::string& body) {
     const Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
     if (j.is_object() && j.contains("message") && j["message"].is_string()) {
       return (j.contains("error_code") ? j["error_code"].get<std::string>() + ": " : std::string()) +
              j["message"].get<std::string>();
     }
-    return body.substr(0, 200);
+    std::string line;
+    bool in_tag = false;
+    for (const char c : body) {
+      if (c == '<') in_tag = true;
+      const bool space = in_tag || std::isspace(static_cast<unsigned char>(c));
+      if (c == '>') in_tag = false;
+      if (space) {
+        if (!line.empty() && line.back() != ' ') line += ' ';
+      } else {
+        line += c;
+      }
+      if (line.size() >= 200) break;
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    return line;
   }
 
   static std::size_t collect(char* data, std::size_t size, std::size_t n, void* out) {

@@ -119,7 +119,8 @@ struct FitProgress {
   bool should_stop = false;
   /// A validation run of this fit has ended (not saved: a resumed fit has not validated yet).
   bool validated = false;
-  /// max_time stopped the fit inside a training batch: a save after it resumes after that batch, as one during it.
+  /// max_time, or max_steps inside an epoch, stopped the fit inside a training batch: the epoch stays open, and a
+  /// save after it resumes after that batch, as one during it.
   bool stopped_in_batch = false;
   /// Seconds trained by the fits this one resumed from, and when this one's training started (max_time).
   double time_before = 0.0;

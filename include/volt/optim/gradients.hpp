@@ -34,11 +34,22 @@ struct LocalTotalNorm {
   }
 };
 
+/// The dtype a total norm over several ranks sums its squares in: float64 where any of `params` is float64
+/// (`Fp64True`: the sum as exact as the one-process norm of the norms' stack), else float32 (wider than bfloat16 and
+/// float16). Read from the parameters, which every rank holds alike, not from this rank's gradients (a rank may hold
+/// none), so every rank reduces the same dtype.
+inline at::ScalarType squares_dtype(const std::vector<at::Tensor>& params) {
+  for (const auto& p : params) {
+    if (p.scalar_type() == at::kDouble) return at::kDouble;
+  }
+  return at::kFloat;
+}
+
 /// Clips the gradients of `params` (those that have one) by value or by their total norm (see the file comment).
 /// `total` makes the total norm from the per-tensor 2-norms (undefined: nothing to clip); it is called on every rank,
 /// also one without gradients, so that it may be a collective. Its `coefficient_in_grad_dtype` says whether the
-/// coefficient is cast to each gradient's dtype before multiplying (ZeRO's, whose norm is float32 whatever the
-/// gradients are) or multiplies as it is (LibTorch's).
+/// coefficient is cast to each gradient's dtype before multiplying (ZeRO's, whose norm is in `squares_dtype`) or
+/// multiplies as it is (LibTorch's).
 template <class Total = LocalTotalNorm>
 void clip_gradients(const std::vector<at::Tensor>& params, double value, ClipAlgorithm algorithm, Total&& total = {}) {
   std::vector<at::Tensor> grads;

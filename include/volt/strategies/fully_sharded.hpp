@@ -5,7 +5,9 @@
 /// hooks do, driven by the calls volt/units.hpp makes where the model runs its units.
 ///
 /// The first training forward of a fit runs with the parameters whole and records which units run in which order
-/// (every rank must agree: one all-reduce of the order's hash) as it ends, the gradient buckets are made: one per unit
+/// (every rank must agree: each rank's record, its units named by their first parameter, is summed into a table every
+/// rank compares, so a rank that ran another unit or order is refused on every rank with the call that differs); as
+/// it ends, the gradient buckets are made: one per unit
 /// in the reverse of that order (backward's order) and the root unit (what no unit holds) last, each padded to a
 /// multiple of the world size W, so that the first backward already reduce-scatters each unit's gradients into this
 /// rank's blocks and drops them (the first step holds the parameters whole, never every gradient). Once that backward
@@ -36,6 +38,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -79,9 +82,11 @@ class UnitScheduler final : public UnitRuntime {
 
   /// The buckets of the layout, from the first step's trace: each unit's parameters among `params` (those that require
   /// gradients, in reverse index order), the units in reverse order of their first run, the root last. Every rank
-  /// must have run the same units in the same order (`agree` all-reduces a hash: max and min).
-  template <class Agree>
-  std::vector<std::vector<std::size_t>> groups(const std::vector<at::Tensor>& params, Agree&& agree) {
+  /// must have run the same units in the same order: `reduce(tensor, op)` all-reduces over the ranks the units are
+  /// sharded across, of which this is rank `rank` of `size` (agree_on_trace).
+  template <class Reduce_>
+  std::vector<std::vector<std::size_t>> groups(const std::vector<at::Tensor>& params, Reduce_&& reduce, int rank,
+                                               int size) {
     std::unordered_map<const void*, std::size_t> index;
     for (std::size_t j = 0; j < params.size(); ++j) index.emplace(params[j].unsafeGetTensorImpl(), j);
     std::vector<int64_t> claimed(params.size(), -1);
@@ -102,10 +107,12 @@ class UnitScheduler final : public UnitRuntime {
         own.push_back(it->second);
       }
       unit_of_module_[m] = units.size();
+      first_param_[m] = own.empty() ? -1 : static_cast<int64_t>(*std::min_element(own.begin(), own.end()));
       units.push_back(m);
       members.push_back(std::move(own));
     }
-    agree_on_trace(agree);
+    number_units();
+    agree_on_trace(reduce, rank, size);
     return order_buckets(params, claimed, units, std::move(members));
   }
 
@@ -204,20 +211,26 @@ class UnitScheduler final : public UnitRuntime {
     }
   }
 
-  template <class Agree>
-  void agree_on_trace(Agree&& agree) {
-    uint64_t hash = 1469598103934665603ull;
-    for (const torch::nn::Module* m : trace_) {
-      hash = (hash ^ static_cast<uint64_t>(unit_of_module_.at(m) + 1)) * 1099511628211ull;
+  /// Units are numbered in the model's order (by their first parameter among the strategy's parameters: the same
+  /// numbers on every rank), those without parameters left out.
+  void number_units() {
+    std::vector<int64_t> firsts;
+    for (const auto& [m, first] : first_param_) {
+      if (first >= 0) firsts.push_back(first);
     }
-    const int64_t mine = static_cast<int64_t>(hash >> 1);
-    const auto [lo, hi] = agree(mine);
-    if (lo != mine || hi != mine) {
-      throw ConfigError("volt: the ranks ran their units in different orders (or different units) in the fit's first "
-                        "step (this rank ran " + std::to_string(trace_.size()) + " unit calls); a fully sharded "
-                        "model must run the same units in the same order on every rank.");
+    std::sort(firsts.begin(), firsts.end());
+    for (const auto& [m, first] : first_param_) {
+      number_[m] = first < 0 ? -1 : std::lower_bound(firsts.begin(), firsts.end(), first) - firsts.begin();
     }
   }
+  /// "unit 3 (a BlockImpl)", or "a unit without parameters (a Tanh)".
+  std::string describe(const torch::nn::Module* m) const {
+    const auto it = number_.find(m);
+    if (it == number_.end() || it->second < 0) return "a unit without parameters (a " + m->name() + ")";
+    return "unit " + std::to_string(it->second) + " (a " + m->name() + ")";
+  }
+  template <class Reduce_>
+  void agree_on_trace(Reduce_&& reduce, int rank, int size);
   std::vector<std::vector<std::size_t>> order_buckets(const std::vector<at::Tensor>& params,
                                                       const std::vector<int64_t>& claimed,
                                                       const std::vector<const torch::nn::Module*>& units,
@@ -228,6 +241,8 @@ class UnitScheduler final : public UnitRuntime {
   ShardLayout* layout_ = nullptr;
   std::vector<const torch::nn::Module*> trace_;  // the first training forward's unit calls
   std::unordered_map<const torch::nn::Module*, std::size_t> unit_of_module_;  // module -> unit (trace order)
+  std::unordered_map<const torch::nn::Module*, int64_t> first_param_;  // module -> its first parameter (-1: none)
+  std::unordered_map<const torch::nn::Module*, int64_t> number_;       // module -> unit number in the model's order
   std::unordered_map<const torch::nn::Module*, int64_t> bucket_of_module_;    // module -> bucket (-1: no parameters)
   std::vector<std::size_t> sequence_;  // the buckets of the trace's calls, in forward order
   int64_t root_ = -1;
@@ -237,6 +252,60 @@ class UnitScheduler final : public UnitRuntime {
   bool trace_done_ = false;
   std::size_t position_ = 0;
 };
+
+/// Every rank's trace, gathered through sums (each rank its row of a [size, calls + 1] table: how many calls, then each
+/// call's first parameter, -1 for a unit without parameters), compared with rank zero's: where any rank differs,
+/// every rank refuses with the same line, naming the first call that differs, what each rank ran there and which
+/// ranks ran it. Units are named by their number in the model's order, the same on every rank.
+template <class B>
+template <class Reduce_>
+void UnitScheduler<B>::agree_on_trace(Reduce_&& reduce, int rank, int size) {
+  const auto calls = static_cast<int64_t>(trace_.size());
+  const int64_t most = reduce(torch::tensor({calls}, torch::kLong), Reduce::max)[0].template item<int64_t>();
+  at::Tensor table = torch::full({size, most + 1}, 0, torch::kLong);
+  table[rank][0] = calls;
+  for (int64_t c = 0; c < most; ++c) table[rank][c + 1] = c < calls ? first_param_.at(trace_[c]) : -2;
+  table = reduce(table, Reduce::sum).contiguous();
+  const auto* rows = table.template data_ptr<int64_t>();
+  const auto row = [&](int r) { return rows + static_cast<int64_t>(r) * (most + 1); };
+  int64_t at = -1;  // the first call where some rank differs from rank zero (a shorter trace: -2 past its end)
+  for (int64_t c = 1; c <= most && at < 0; ++c) {
+    for (int r = 1; r < size && at < 0; ++r) at = row(r)[c] != row(0)[c] ? c : -1;
+  }
+  if (at < 0) return;
+  std::vector<int64_t> firsts;  // every rank's units, numbered in the model's order
+  for (int r = 0; r < size; ++r) {
+    for (int64_t c = 1; c <= row(r)[0]; ++c) {
+      if (row(r)[c] >= 0) firsts.push_back(row(r)[c]);
+    }
+  }
+  std::sort(firsts.begin(), firsts.end());
+  firsts.erase(std::unique(firsts.begin(), firsts.end()), firsts.end());
+  const auto what = [&](int64_t v) -> std::string {
+    if (v == -2) return "no unit (its forward ended)";
+    if (v == -1) return "a unit without parameters";
+    return "unit " + std::to_string(std::lower_bound(firsts.begin(), firsts.end(), v) - firsts.begin());
+  };
+  std::vector<std::pair<int64_t, std::vector<int>>> ran;  // each value at `at`, and the ranks that had it
+  for (int r = 0; r < size; ++r) {
+    const int64_t v = row(r)[at];
+    auto it = std::find_if(ran.begin(), ran.end(), [&](const auto& e) { return e.first == v; });
+    if (it == ran.end()) it = ran.insert(ran.end(), {v, {}});
+    it->second.push_back(r);
+  }
+  std::string said;
+  for (std::size_t i = 0; i < ran.size(); ++i) {
+    std::string ranks;
+    for (std::size_t k = 0; k < ran[i].second.size(); ++k) {
+      ranks += (k == 0 ? "" : k + 1 == ran[i].second.size() ? " and " : ", ") + std::to_string(ran[i].second[k]);
+    }
+    said += (i == 0 ? "" : i + 1 == ran.size() ? " and " : ", ") + what(ran[i].first) + " on rank" +
+            (ran[i].second.size() > 1 ? "s " : " ") + ranks;
+  }
+  throw ConfigError("volt: the ranks ran different units in the fit's first step: unit call " + std::to_string(at) +
+                    " ran " + said + " (units numbered in the model's order); a fully sharded model must run the "
+                    "same units in the same order on every rank.");
+}
 
 /// Units with parameters become buckets in the reverse of their first run, in that order; the root last.
 template <class B>
@@ -283,8 +352,9 @@ int64_t UnitScheduler<B>::enter(const torch::nn::Module& unit) {
   if (phase_ == Phase::forward && at::GradMode::is_enabled()) {
     const std::size_t bucket = it->second < 0 ? SIZE_MAX : static_cast<std::size_t>(it->second);
     if (position_ >= sequence_.size() || sequence_[position_] != bucket) {
-      throw ConfigError("volt: a " + unit.name() + " ran as unit call " + std::to_string(position_ + 1) + " of the "
-                        "step, out of the order of the fit's first step (" + std::to_string(sequence_.size()) +
+      const std::string first = position_ < trace_.size() ? describe(trace_[position_]) : "no unit";
+      throw ConfigError("volt: unit call " + std::to_string(position_ + 1) + " of this step ran " + describe(&unit) +
+                        ", where the fit's first step ran " + first + " (of " + std::to_string(sequence_.size()) +
                         " calls); a fully sharded model runs its units in the same order in every step.");
     }
     const std::size_t position = position_++;

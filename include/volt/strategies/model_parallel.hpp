@@ -30,6 +30,7 @@
 #include "volt/comm/mesh.hpp"
 #include "volt/errors.hpp"
 #include "volt/model_plan.hpp"
+#include "volt/optim/gradients.hpp"
 #include "volt/strategies/data_parallel.hpp"
 #include "volt/strategies/parts.hpp"
 #include "volt/strategies/replicated.hpp"
@@ -41,6 +42,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -278,6 +280,12 @@ void ModelParallel<L, B>::apply_plan(torch::nn::Module& module, const ModelPlan&
   plan_ = plan;
   planned_params_ = std::move(params);
   planned_module_ = &module;
+  if (shards_.size() > 1 && this->is_global_zero()) {  // said before training, not at the first save
+    std::cerr << "volt: warning: configure_model plans " << shards_.size() << " sharded parts; ModelParallel's "
+              << "checkpoints hold the optimizer's state of one sharded part, so a checkpoint of this fit "
+              << "(ModelCheckpoint, save_checkpoint, a stop signal's) will be refused. Plan one sharded part, or "
+              << "save the weights only (save_weights_only)." << std::endl;
+  }
 }
 
 /// The dotted name of `part` in `module` ("" for the module itself); refused where it is not inside it.
@@ -309,7 +317,7 @@ void ModelParallel<L, B>::setup_optimizer(torch::optim::Optimizer& optimizer) {
 template <class L, class B>
 void ModelParallel<L, B>::clip_gradients(const std::vector<at::Tensor>& params, double value, ClipAlgorithm algorithm) {
   std::vector<at::Tensor> tensors;
-  detail::PartNorms<B> total{{}, this->root_device()};
+  detail::PartNorms<B> total{{}, this->root_device(), detail::squares_dtype(params)};
   const auto with_grad = [](const at::Tensor& t) { return t.grad().defined(); };
   for (auto& s : shards_) {
     const std::vector<at::Tensor> pieces = s->holder.piece_tensors();

@@ -117,19 +117,21 @@ class PartRouter final : public UnitRuntime {
 };
 
 /// ModelParallel's total gradient norm (detail::clip_gradients' `Total`): the per-tensor norms come in groups, each
-/// group's squares summed in float32 along its part's axis (null: kept as they are), then every group's added.
+/// group's squares summed in `dtype` (detail::squares_dtype: float64 under Fp64True, else float32) along its part's
+/// axis (null: kept as they are), then every group's added.
 template <class B>
 struct PartNorms {
   static constexpr bool coefficient_in_grad_dtype = true;
   std::vector<std::pair<std::size_t, B*>> groups;  // how many norms, and the backend summing them
   torch::Device device;
+  at::ScalarType dtype = at::kFloat;
   at::Tensor operator()(const std::vector<at::Tensor>& norms) const {
-    const auto options = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+    const auto options = torch::TensorOptions().dtype(dtype).device(device);
     at::Tensor total = torch::zeros({1}, options);
     std::size_t at = 0;
     for (const auto& [count, backend] : groups) {
       at::Tensor squares = torch::zeros({1}, options);
-      for (std::size_t i = 0; i < count; ++i) squares += norms[at++].to(torch::kFloat32).square().to(device);
+      for (std::size_t i = 0; i < count; ++i) squares += norms[at++].to(dtype).square().to(device);
       if (backend != nullptr) backend->all_reduce_(squares, Reduce::sum);
       total += squares;
     }

@@ -149,7 +149,7 @@ class ShardedHolder {
     if (!shards_) return detail::clip_gradients(module_params, value, algorithm);
     std::vector<at::Tensor> pieces;
     for (const ShardPiece& piece : shards_->pieces()) pieces.push_back(piece.tensor);
-    detail::clip_gradients(pieces, value, algorithm, NormOverRanks<G>{&g});
+    detail::clip_gradients(pieces, value, algorithm, NormOverRanks<G>{&g, squares_dtype(module_params)});
   }
 
   /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.
@@ -397,9 +397,10 @@ class ShardedHolder {
   struct NormOverRanks {
     static constexpr bool coefficient_in_grad_dtype = true;
     G* g;
+    at::ScalarType dtype;  // the squares' (squares_dtype: the same on every rank)
     at::Tensor operator()(const std::vector<at::Tensor>& norms) const {
-      at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(g->root_device()));
-      for (const auto& n : norms) squares += n.to(torch::kFloat32).square().to(squares.device());
+      at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(dtype).device(g->root_device()));
+      for (const auto& n : norms) squares += n.to(dtype).square().to(squares.device());
       g->backend().all_reduce_(squares, Reduce::sum);
       return squares.sqrt();
     }
@@ -557,10 +558,9 @@ auto ShardedHolder<Stage, B>::cut_states(torch::optim::Optimizer& optimizer, con
 template <int Stage, class B>
 template <class G>
 void ShardedHolder<Stage, B>::unit_reducer(G& g) {
-  auto groups = units_->groups(params_, [&](int64_t mine) {
-    const at::Tensor both = g.all_reduce(torch::tensor({mine, -mine}, torch::kLong), Reduce::max).cpu();
-    return std::pair<int64_t, int64_t>(-both[1].template item<int64_t>(), both[0].template item<int64_t>());
-  });
+  auto groups = units_->groups(
+      params_, [&](const at::Tensor& t, Reduce op) { return g.all_reduce(t, op).cpu(); }, g.global_rank(),
+      g.world_size());
   reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), std::move(groups),
                                           GradSync::reduce_scatter_to_blocks);
   reducer_->on_bucket_ready([units = units_.get()](std::size_t bucket) { units->bucket_done(bucket); });

@@ -212,6 +212,9 @@ void Trainer<S, P, A, Cs...>::train_epoch(Impl& module, Context& ctx, Step& step
         return train_batch(module, ctx, step, batch, batch_idx, is_last, val);
       },
       start, skip);
+  // max_steps reached inside the epoch: it is left open, as max_time and a stop signal leave it (no end hooks, no
+  // epoch-interval scheduler step), so a fit resumed from a save after this one goes on with its next batch.
+  if (progress_.stopped_in_batch) return;
 
   // Epoch end: callbacks, the module, then callbacks that monitor metrics (they see its logs).
   progress_.in_epoch_end = true;
@@ -288,6 +291,10 @@ bool Trainer<S, P, A, Cs...>::train_batch(Impl& module, Context& ctx, Step& step
     run_validation(module, val);
   }
   stop_if_asked();  // still inside the batch: a checkpoint here resumes after it
+  if (max_steps_reached() && !is_last) {  // the epoch stays open: a save after the fit resumes after this batch
+    progress_.stopped_in_batch = true;
+    return false;
+  }
   ++progress_.total_batch_idx;
   if (max_steps_reached()) return false;
   return !(progress_.should_stop && can_stop_early());

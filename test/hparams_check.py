@@ -30,10 +30,14 @@ def expected(folder):
 
 
 def load_weights_only(path):
-    """torch.load(weights_only=True), which volt's files (tensors and plain containers) pass: PyTorch's default since
-    2.6, asked for by name on earlier versions (1.13)."""
+    """torch.load as it reads volt's files (tensors and plain containers): plainly on PyTorch 2.6 and later, whose
+    default is weights_only=True. PyTorch 1.13's weights-only unpickler reads no float at all (no BINFLOAT), and
+    hyper-parameters hold floats: there the file is read with the full unpickler, and the output says so."""
     import torch
-    return torch.load(path, weights_only=True), True
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 6):
+        return torch.load(path), True
+    return torch.load(path, weights_only=False), False
 
 
 def check_checkpoints(folder):

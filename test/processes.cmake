@@ -207,8 +207,9 @@ function(volt_torch_python_test name before script)
   endif()
   set_tests_properties(${name} PROPERTIES TIMEOUT 300 FAIL_REGULAR_EXPRESSION "MISMATCH" SKIP_RETURN_CODE 77)
 endfunction()
+# This line's files, just written, and each LibTorch line's committed ones (test/data/torch_load/).
 volt_torch_python_test(resume.torch_load "'${resume_exe}' export '${resume_dir}/python'" torch_load_check.py
-                       "'${resume_dir}/python'")
+                       "'${resume_dir}/python' '${CMAKE_CURRENT_SOURCE_DIR}/data/torch_load/torch1.13' '${CMAKE_CURRENT_SOURCE_DIR}/data/torch_load/torch2.11'")
 set_tests_properties(resume.torch_load PROPERTIES LABELS resume)
 # Hyper-parameters (test/hparams_check.py): a fit's configuration and its module's own, read back from its checkpoints
 # by Python's torch (weights_only) and from its loggers' folder by PyYAML and tensorboard.

@@ -1345,6 +1345,7 @@ int export_for_python(const std::string& dir) {
   trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = 16}));
   trainer.save_checkpoint(dir + "/model.ckpt");
   trainer.save_checkpoint(dir + "/weights.ckpt", /*weights_only=*/true);
+  export_optimizers(dir);
   net->eval();
   torch::NoGradGuard no_grad;
   const auto input = torch::randn({5, 1, 28, 28});
@@ -1352,7 +1353,6 @@ int export_for_python(const std::string& dir) {
   io.insert("input", input);
   io.insert("output", net->forward(input));
   write_plain(dir + "/io.pt", io);
-  export_optimizers(dir);
   std::cout << "wrote " << dir << "/model.ckpt, weights.ckpt, io.pt and the optimizers' opt_*.ckpt" << std::endl;
   return 0;
 }

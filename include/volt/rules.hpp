@@ -33,6 +33,7 @@
 
 #include "volt/accelerators/concept.hpp"
 #include "volt/accelerators/cpu.hpp"
+#include "volt/declared_hooks.hpp"
 #include "volt/accelerators/graphed.hpp"
 #include "volt/comm/concept.hpp"
 #include "volt/context.hpp"
@@ -256,8 +257,10 @@ struct CheckedFit {
                 "ZeRO<2>, FSDP, ModelParallel) step it automatically: a sharded strategy steps each rank's shard of "
                 "the optimizer after the gradients' reduce-scatter and gathers the parameters after it, which a "
                 "training_step's own optimizer.step() would bypass.");
+  // the hooks the module declares in its volt_hooks, each a member it has (volt/declared_hooks.hpp)
+  static constexpr bool hooks_declared = check_declared_hooks<module_impl_t<M>>();
   static constexpr bool ok = Module<M> && TrainableOn<M, Batch> && !several_optimizers_automatic<M>() &&
-                             validates_on<M, ValBatch>() && !sharded_manual<S, M>;
+                             validates_on<M, ValBatch>() && !sharded_manual<S, M> && hooks_declared;
 };
 
 }  // namespace detail

@@ -8,6 +8,7 @@
 #include "volt/config.hpp"
 #include "volt/context.hpp"
 #include "volt/data.hpp"
+#include "volt/declared_hooks.hpp"
 #include "volt/launchers.hpp"
 #include "volt/loggers.hpp"
 #include "volt/module.hpp"

@@ -219,6 +219,31 @@ struct NoTraits {
 };
 static_assert(!volt::MappableBatch<NoTraits> && !volt::MappableBatch<std::vector<NoTraits>>);
 
+// ---- declared hooks (volt/declared_hooks.hpp): a member of any kind under each name, a template one too ------
+struct DeclaringCallback {
+  using volt_hooks = volt::Hooks<volt::hook::on_train_epoch_end, volt::hook::state_dict, volt::hook::setup>;
+  void on_train_epoch_end(auto&, auto&) {}                   // a member template
+  std::map<std::string, double> state_dict() const { return {}; }
+  template <class T, class M>
+  void setup(T&, M&, volt::Stage) {}
+};
+static_assert(volt::detail::check_declared_hooks<DeclaringCallback>());
+struct DeclaringLogger final {  // final: the name is looked up directly
+  static constexpr bool is_logger = true;
+  using volt_hooks = volt::Hooks<volt::hook::log_metrics, volt::hook::finalize>;
+  void log_metrics(const std::map<std::string, double>&, int64_t) {}
+  void finalize(volt::RunStatus) {}
+};
+static_assert(volt::detail::check_declared_hooks<DeclaringLogger>() && volt::detail::check_logger<DeclaringLogger>());
+struct DeclaringModule : torch::nn::Module {
+  using volt_hooks = volt::Hooks<volt::hook::training_step, volt::hook::configure_optimizers>;
+  torch::Tensor training_step(const Batch&, volt::Context&) { return {}; }
+  volt::optim::SGD configure_optimizers() { return volt::optim::SGD(parameters(), 0.1); }
+};
+static_assert(volt::detail::CheckedFit<DeclaringModule, Batch, void>::ok);
+static_assert(!volt::detail::has_member_on_train_epoch_end<DeclaringLogger>() &&
+              !volt::detail::has_member_configure_model<DeclaringModule>());  // absent names stay absent
+
 // ---- a Trainer over the concept-only policies is a complete type with the API callbacks use ----------------
 using ConceptTrainer = volt::Trainer<vt::CountingStrategy, volt::Fp32, CPU, vt::EpochLossLog>;
 static_assert(std::is_same_v<ConceptTrainer::strategy_type, vt::CountingStrategy>);

@@ -3,7 +3,8 @@
 /// Callbacks: plain objects given to the Trainer as a compile-time pack,
 /// `Trainer<S, P, A, ProgressBar, CSVLogger> trainer(options, ProgressBar{}, CSVLogger{})` (or
 /// `make_trainer<S, P, A>(options, ProgressBar{}, CSVLogger{})`). Every hook is optional and found at compile
-/// time; a member named like a hook with other parameters is a compile error. `trainer` is the Trainer
+/// time; a member named like a hook with other parameters is a compile error (a misspelt name is not seen: list the
+/// hooks in `using volt_hooks = volt::Hooks<volt::hook::...>` to have them checked, volt/declared_hooks.hpp). `trainer` is the Trainer
 /// (take it as `auto&`), `module` the user's module.
 ///
 /// | hook | extra arguments | when |

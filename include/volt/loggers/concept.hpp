@@ -16,8 +16,10 @@
 /// **A type is a logger** when it declares `static constexpr bool is_logger = true` (volt's own do), or has a member
 /// named like one of these hooks. The Trainer checks every logger at compile time: no `log_metrics`, or a hook with
 /// parameters volt does not pass, is a compile error naming the hook and its signature, so a misspelt or mistyped hook
-/// of a declared logger is never silently left uncalled. (C++ cannot see a misspelt name of an optional hook: declare
-/// `is_logger` so that at least a misspelt `log_metrics` is caught.)
+/// of a declared logger is never silently left uncalled. C++ cannot see a misspelt name of an optional hook
+/// (`finalise`, `log_hyperparameters`): declare `is_logger` so that at least a misspelt `log_metrics` is caught, and
+/// list the hooks it implements in `using volt_hooks = volt::Hooks<volt::hook::log_metrics, volt::hook::finalize>;`
+/// to have each checked by name (volt/declared_hooks.hpp).
 ///
 /// Writing your own:
 /// \code
@@ -32,6 +34,7 @@
 #include "volt/batch.hpp"
 #include "volt/callbacks/concept.hpp"
 #include "volt/config/values.hpp"
+#include "volt/declared_hooks.hpp"
 #include "volt/errors.hpp"
 
 #include <cstdint>
@@ -75,10 +78,12 @@ inline constexpr bool declares_logger = [] {
   }
 }();
 
-/// The compile-time check of one callback type of a Trainer: a logger's hooks take what volt passes. Instantiated
-/// by the Trainer for each of its callback types; `true` when it compiles.
+/// The compile-time check of one callback type of a Trainer: a logger's hooks take what volt passes, and the hooks
+/// it declares in its `volt_hooks` it has (volt/declared_hooks.hpp). Instantiated by the Trainer for each of its
+/// callback types; `true` when it compiles.
 template <class C>
 constexpr bool check_logger() {
+  (void)check_declared_hooks<C>();
   if constexpr (requires { &C::on_log_metrics; }) {
     static_assert(dependent_false<C>, "volt: a callback's on_log_metrics(trainer, metrics, step) is a logger's "
                                       "log_metrics(metrics, step) now; see volt/loggers/concept.hpp.");

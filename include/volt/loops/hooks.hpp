@@ -1,6 +1,7 @@
 #pragma once
 /// \file
-/// Hooks: the one list of hook names (`VOLT_DETAIL_HOOKS`), what calling one means, and the fan-out the loops use.
+/// Hooks: what calling one of the hooks of the one list of their names (`VOLT_DETAIL_HOOKS`, volt/declared_hooks.hpp)
+/// means, and the fan-out the loops use.
 ///
 /// For each name `h` in the list, `hooks::h` is a tag type with two static functions:
 ///   - `hooks::h::module(module, ctx, args...)`: `module.h(args..., ctx)` or `module.h(args...)`, or nothing;
@@ -13,56 +14,16 @@
 ///     module (Lightning's order); returns what the module's hook returns;
 ///   - `call_callbacks<hooks::h, Watch>(callbacks, trainer, module, args...)`: callbacks only, all of them or
 ///     only those that do (or do not) declare `monitors_metrics` (see callbacks/concept.hpp).
-/// Adding a hook: one entry in `VOLT_DETAIL_HOOKS`, one call site in a loop, one row in the hook tables of
+/// Adding a hook: one entry in `VOLT_DETAIL_HOOKS` (volt/declared_hooks.hpp), one call site in a loop, one row in the hook tables of
 /// module.hpp and callbacks/concept.hpp.
 
 #include "volt/callbacks/concept.hpp"
 #include "volt/context.hpp"
+#include "volt/declared_hooks.hpp"  // VOLT_DETAIL_HOOKS: the one list of hook names
 
 #include <tuple>
 #include <type_traits>
 #include <utility>
-
-// Every hook, in the order a fit meets them.
-#define VOLT_DETAIL_HOOKS(X)                                                                                         \
-  X(configure_model)                                                                                                 \
-  X(setup)                                                                                                           \
-  X(on_optimizers_configured)                                                                                        \
-  X(on_fit_start)                                                                                                    \
-  X(on_sanity_check_start)                                                                                           \
-  X(on_sanity_check_end)                                                                                             \
-  X(on_train_start)                                                                                                  \
-  X(on_train_epoch_start)                                                                                            \
-  X(on_train_batch_start)                                                                                            \
-  X(on_before_zero_grad)                                                                                             \
-  X(on_before_backward)                                                                                              \
-  X(on_after_backward)                                                                                               \
-  X(on_before_optimizer_step)                                                                                        \
-  X(on_train_batch_end)                                                                                              \
-  X(on_train_epoch_end)                                                                                              \
-  X(on_validation_start)                                                                                             \
-  X(on_validation_epoch_start)                                                                                       \
-  X(on_validation_batch_start)                                                                                       \
-  X(on_validation_batch_end)                                                                                         \
-  X(on_validation_epoch_end)                                                                                         \
-  X(on_validation_end)                                                                                               \
-  X(on_train_end)                                                                                                    \
-  X(on_fit_end)                                                                                                      \
-  X(on_test_start)                                                                                                   \
-  X(on_test_epoch_start)                                                                                             \
-  X(on_test_batch_start)                                                                                             \
-  X(on_test_batch_end)                                                                                               \
-  X(on_test_epoch_end)                                                                                               \
-  X(on_test_end)                                                                                                     \
-  X(on_predict_start)                                                                                                \
-  X(on_predict_epoch_start)                                                                                          \
-  X(on_predict_batch_start)                                                                                          \
-  X(on_predict_batch_end)                                                                                            \
-  X(on_predict_epoch_end)                                                                                            \
-  X(on_predict_end)                                                                                                  \
-  X(teardown)                                                                                                        \
-  X(on_save_checkpoint)                                                                                              \
-  X(on_exception)
 
 // Internal only: the tag type of one hook; undefined at the end of this header.
 #define VOLT_DETAIL_HOOK_TAG(h)                                                                                      \

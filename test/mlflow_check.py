@@ -193,7 +193,8 @@ def run(args, env_extra, expect_rc=0):
     seconds = time.time() - start
     if (p.returncode == 0) if expect_rc is None else (p.returncode != expect_rc):
         print(p.stdout[-3000:], p.stderr[-3000:])
-        fail(f"mlflow_run {' '.join(args)} exited with {p.returncode}, expected {expect_rc}")
+        want = "a failure" if expect_rc is None else expect_rc
+        fail(f"mlflow_run {' '.join(args)} exited with {p.returncode}, expected {want}")
     run_id = ""
     for line in p.stdout.splitlines():
         if line.startswith("run id: "):

@@ -1,4 +1,4 @@
-// expect: train a module with manual optimization under DDP, or let ZeRO step it automatically
+// expect: train a module with manual optimization under DDP, or let the sharded strategy .ZeRO<1>, ZeRO<2>, FSDP, ModelParallel. step it automatically
 #include <volt/volt.hpp>
 struct Net : torch::nn::Module {
   torch::nn::Linear fc{nullptr};

@@ -53,6 +53,12 @@ enum class StateDictType { full, sharded };
 
 namespace checkpoint {
 
+// volt/checkpoint/pytorch_optimizer.hpp (included above): declared here too, for a unit in which that header comes
+// first and so is only defined after this one.
+inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& family,
+                                                               std::vector<torch::optim::OptimizerParamGroup> groups,
+                                                               const std::string& path);
+
 inline constexpr const char* kShardedFormat = "volt.sharded_checkpoint";
 inline constexpr int64_t kShardedFormatVersion = 1;
 inline constexpr const char* kIndexName = "index.json";

@@ -27,6 +27,10 @@
 namespace volt {
 namespace checkpoint {
 
+// volt/checkpoint/pytorch_optimizer.hpp: declared here too, for a unit in which that header comes first and so is
+// only defined after this one.
+inline void optimizers_to_pytorch(Dict& contents);
+
 /// A copy of `v` whose dicts and lists are its own (lists as plain lists of any element): the pickler memoizes a
 /// container shared elsewhere (its use count above one), so without this the bytes of a save would depend on who else
 /// holds its pieces; and a list of tensors or numbers pickles as a LibTorch builder call (`build_tensorlist`) that

@@ -7,7 +7,19 @@ import sys
 import torch
 from torch import nn
 
-from torch_load_check import load
+
+
+def load(path):
+    """torch.load of a file LibTorch's torch::pickle_save wrote (transformer.cpp: not a volt checkpoint, so with
+    LibTorch's type tags): on PyTorch 2.6 and later weights_only, allowing the builders those tags are
+    (torch.jit._pickle: they rebuild a list or restore a type annotation); the full unpickler before."""
+    if hasattr(torch.serialization, "safe_globals"):
+        from torch.jit import _pickle
+        builders = [_pickle.restore_type_tag, _pickle.build_tensorlist, _pickle.build_intlist,
+                    _pickle.build_doublelist, _pickle.build_boollist]
+        with torch.serialization.safe_globals(builders):
+            return torch.load(path, weights_only=True)
+    return torch.load(path)
 
 
 class RecipeNet(nn.Module):

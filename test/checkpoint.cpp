@@ -11,6 +11,10 @@
 #include <csignal>
 #include <unistd.h>
 #include <algorithm>
+#include <barrier>
+#include <cstring>
+#include <functional>
+#include <thread>
 
 // ---- checkpoint files ----------------------------------------------------------------------------------
 
@@ -263,7 +267,7 @@ TEST_CASE("sharded checkpoints: the full file's contents, a folder swapped in at
   }
   {  // a piece short: its tensor is not covered
     const fs::path p = copy("gap.ckpt");
-    rewrite_index(p, [](nlohmann::json& i) { i["tensors"]["state_dict.0.weight"]["pieces"][0]["numel"] = 14; }, true);
+    rewrite_index(p, [](nlohmann::json& i) { i["tensors"]["state_dict.0.weight"]["pieces"][0]["sizes"][0] = 14; }, true);
     expect_error(p, "holds 14 of the 15 elements of state_dict.0.weight");
   }
   fs::create_directories(dir / "plain_folder.ckpt");
@@ -273,6 +277,141 @@ TEST_CASE("sharded checkpoints: the full file's contents, a folder swapped in at
   CHECK(fs::is_regular_file(sharded));
   const auto again = volt::checkpoint::read(sharded).at("state_dict").toGenericDict();
   CHECK(torch::equal(again.at("0.weight").toTensor(), wa.at("0.weight").toTensor()));
+}
+
+namespace {
+
+/// A job of `world` ranks in this process, one thread each: `body(rank, all_gather)`, where `all_gather` hands every
+/// rank's bytes to every rank, as a strategy's `host_all_gather` does. A rank that throws leaves the job's barrier so
+/// the others end too; the first exception is rethrown.
+void run_ranks(int world, const std::function<void(int, std::function<std::vector<std::string>(const std::string&)>)>& body) {
+  std::vector<std::string> slots(static_cast<std::size_t>(world));
+  std::barrier sync(world);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r] {
+      auto gather = [&](const std::string& bytes) {
+        slots[static_cast<std::size_t>(r)] = bytes;
+        sync.arrive_and_wait();
+        std::vector<std::string> all = slots;
+        sync.arrive_and_wait();
+        return all;
+      };
+      try {
+        body(r, gather);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        sync.arrive_and_drop();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+/// Box `b` of `whole`, by ATen's view and narrow: the reference the reader's copies are checked against.
+at::Tensor box_of(const at::Tensor& whole, const volt::checkpoint::Box& b) {
+  at::Tensor t = whole.reshape(b.view);
+  for (std::size_t d = 0; d < b.view.size(); ++d) t = t.narrow(static_cast<int64_t>(d), b.offsets[d], b.sizes[d]);
+  return t.contiguous();
+}
+
+using Layout = std::vector<volt::checkpoint::Box>;  // one box a rank
+
+/// The cuts PyTorch's resharding tests make of a [4, 4] tensor, and two of volt's own: along dimension 0, along 1,
+/// along both (4 ranks), flat ranges that do not divide it (as FSDP's buckets cut a parameter), and along dimension
+/// 1 of its [2, 8] view (as a fused weight is cut).
+std::map<std::string, Layout> cuts_of_4x4() {
+  using volt::checkpoint::Box;
+  return {{"rows", {Box{{4, 4}, {0, 0}, {2, 4}}, Box{{4, 4}, {2, 0}, {2, 4}}}},
+          {"columns", {Box{{4, 4}, {0, 0}, {4, 2}}, Box{{4, 4}, {0, 2}, {4, 2}}}},
+          {"both", {Box{{4, 4}, {0, 0}, {2, 2}}, Box{{4, 4}, {0, 2}, {2, 2}}, Box{{4, 4}, {2, 0}, {2, 2}},
+                    Box{{4, 4}, {2, 2}, {2, 2}}}},
+          {"flat", {Box::flat(16, 0, 6), Box::flat(16, 6, 6), Box::flat(16, 12, 4)}},
+          {"view", {Box{{2, 8}, {0, 0}, {2, 4}}, Box{{2, 8}, {0, 4}, {2, 4}}}}};
+}
+
+/// The bytes a reader of box `want` must read from a folder written under `saved` (its files' header sizes in
+/// `headers`): the index, then the header and the piece of every rank whose box shares an element with `want`
+/// (found by ATen: the flat indices each box holds, intersected).
+uint64_t bytes_to_read(const Layout& saved, const volt::checkpoint::Box& want, uint64_t index,
+                       const std::vector<uint64_t>& headers) {
+  const at::Tensor indices = torch::arange(16, torch::kLong).view({4, 4});
+  const at::Tensor wanted = box_of(indices, want).flatten();
+  uint64_t bytes = index;
+  for (std::size_t r = 0; r < saved.size(); ++r) {
+    const at::Tensor held = box_of(indices, saved[r]).flatten();
+    if (torch::isin(held, wanted).any().item<bool>()) bytes += headers[r] + static_cast<uint64_t>(held.numel()) * 4;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+TEST_CASE("sharded checkpoints: n-dimensional pieces, each cut of a tensor read under every other, only the pieces "
+          "a box overlaps read", "[checkpoint]") {
+  using volt::checkpoint::Box;
+  const fs::path dir = scratch("boxes");
+  const at::Tensor whole = torch::arange(16, torch::kFloat).view({4, 4});
+  const auto cuts = cuts_of_4x4();
+  for (const auto& [saved_as, layout] : cuts) {
+    const std::string path = (dir / (saved_as + ".ckpt")).string();
+    run_ranks(static_cast<int>(layout.size()), [&](int rank, auto gather) {
+      volt::checkpoint::ShardedSave s;
+      s.names = {"w"};
+      s.shapes = {{4, 4}};
+      const Box& b = layout[static_cast<std::size_t>(rank)];
+      const at::Tensor mine = box_of(whole, b).flatten();  // as a strategy hands it: any shape of the box's elements
+      s.slices.push_back({0, b, mine, mine, 0});
+      s.meta.insert("state_dict", volt::checkpoint::make_dict());
+      s.rank = rank;
+      s.world = static_cast<int>(layout.size());
+      s.all_gather = gather;
+      volt::checkpoint::save_sharded({path}, s);
+    });
+    INFO("saved cut along " << saved_as);
+    CHECK(torch::equal(volt::checkpoint::read(path).at("state_dict").toGenericDict().at("w").toTensor(), whole));
+    std::vector<uint64_t> headers;
+    for (std::size_t r = 0; r < layout.size(); ++r) {
+      const auto bytes = vt::read_bytes(fs::path(path) / volt::checkpoint::detail::rank_file_name(static_cast<int>(r),
+                                                                                                static_cast<int>(layout.size())));
+      uint64_t n = 0;
+      std::memcpy(&n, bytes.data(), 8);
+      headers.push_back(8 + n);
+    }
+    const uint64_t index = fs::file_size(fs::path(path) / "index.json");
+    for (const auto& [read_as, wants] : cuts) {
+      for (const Box& want : wants) {
+        INFO("read as " << read_as << ", box at " << nlohmann::json(want.offsets).dump() << " of view "
+                        << nlohmann::json(want.view).dump());
+        volt::checkpoint::ShardedReader reader(path);
+        const at::Tensor got = reader.read("state_dict.w", want);
+        CHECK(got.sizes().vec() == want.sizes);
+        CHECK(torch::equal(got, box_of(whole, want)));
+        CHECK(reader.bytes_read() == bytes_to_read(layout, want, index, headers));
+      }
+    }
+    volt::checkpoint::ShardedReader reader(path);
+    CHECK_THROWS_WITH(reader.read("state_dict.w", Box{{4, 4}, {3, 0}, {2, 4}}),
+                      Contains("gives state_dict.w (shape [4,4]) a box that is not inside it"));
+    CHECK_THROWS_WITH(reader.read("state_dict.w", Box{{3, 5}, {0, 0}, {1, 1}}), Contains("a box that is not inside it"));
+    CHECK_THROWS_WITH(reader.read("state_dict.v", Box::whole({4, 4})), Contains("holds no tensor state_dict.v"));
+  }
+  {  // a piece's bytes changed: the reader of a box over it refuses, the reader of a box elsewhere reads on
+    const fs::path p = dir / "rows.ckpt";
+    auto bytes = vt::read_bytes(p / "rank-00001-of-00002.safetensors");
+    bytes[bytes.size() - 1] ^= 0x01;
+    write_bytes(p / "rank-00001-of-00002.safetensors", bytes);
+    CHECK(torch::equal(volt::checkpoint::ShardedReader(p.string()).read("state_dict.w", Box{{4, 4}, {0, 0}, {2, 4}}),
+                       box_of(whole, Box{{4, 4}, {0, 0}, {2, 4}})));
+    volt::checkpoint::ShardedReader reader(p.string());
+    CHECK_THROWS_WITH(reader.read("state_dict.w", Box{{4, 4}, {1, 0}, {2, 4}}),
+                      Contains("has a damaged rank-00001-of-00002.safetensors (the bytes of state_dict.w do not match"));
+    expect_error(p, "has a damaged rank-00001-of-00002.safetensors");
+  }
 }
 
 TEST_CASE("every input the checkpoint fuzzer kept is refused with a CheckpointError", "[checkpoint][fuzz]") {

@@ -302,37 +302,75 @@ inline TensorFile decode(const char* data, std::size_t size, const std::string& 
   return out;
 }
 
-/// Reads a safetensors file: the header first, checked whole, then each tensor's bytes straight into it.
-inline TensorFile read(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw CheckpointError("volt: cannot open " + path + ": " + std::strerror(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  auto read_at = [&](char* to, uint64_t bytes, uint64_t offset) {
+/// A safetensors file opened for reading a tensor at a time: the header read and checked whole when it opens, each
+/// tensor's bytes read straight into it when asked (`pread`); `bytes_read()` counts what came from the file.
+class Reader {
+ public:
+  explicit Reader(std::string path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw CheckpointError("volt: cannot open " + path_ + ": " + std::strerror(errno));
+    try {
+      const off_t end = ::lseek(fd_, 0, SEEK_END);
+      if (end < 0) throw CheckpointError("volt: cannot read " + path_ + ": " + std::strerror(errno));
+      size_ = static_cast<uint64_t>(end);
+      unsigned char first8[8] = {};
+      if (size_ >= 8) read_at(reinterpret_cast<char*>(first8), 8, 0);
+      const uint64_t n = detail::header_length(first8, size_, path_);
+      text_.assign(n, '\0');
+      read_at(text_.data(), n, 8);
+      header_ = parse_header(text_, size_ - 8 - n, path_);
+      for (std::size_t i = 0; i < header_.entries.size(); ++i) by_name_.emplace(header_.entries[i].name, i);
+    } catch (...) {
+      ::close(fd_);
+      throw;
+    }
+  }
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
+  ~Reader() { ::close(fd_); }
+
+  const Header& header() const { return header_; }
+  /// The header's JSON as the file holds it (the N bytes after its length).
+  const std::string& header_text() const { return text_; }
+  /// The file's size in bytes.
+  uint64_t size() const { return size_; }
+  uint64_t bytes_read() const { return bytes_read_; }
+  /// The entry named `name`, or null.
+  const Entry* find(const std::string& name) const {
+    const auto it = by_name_.find(name);
+    return it == by_name_.end() ? nullptr : &header_.entries[it->second];
+  }
+  /// Entry `e`'s tensor, read from the file.
+  at::Tensor read(const Entry& e) {
+    auto fill = [&](char* to, uint64_t bytes) { read_at(to, bytes, 8 + text_.size() + e.begin); };
+    return detail::make_tensor(e, fill, path_);
+  }
+
+ private:
+  void read_at(char* to, uint64_t bytes, uint64_t offset) {
     for (uint64_t done = 0; done < bytes;) {
-      const ssize_t r = ::pread(fd, to + done, bytes - done, static_cast<off_t>(offset + done));
+      const ssize_t r = ::pread(fd_, to + done, bytes - done, static_cast<off_t>(offset + done));
       if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) throw CheckpointError("volt: reading " + path + " failed: " + (r == 0 ? "it ended early" :
-                                                                                            std::strerror(errno)));
+      if (r <= 0) throw CheckpointError("volt: reading " + path_ + " failed: " + (r == 0 ? "it ended early" :
+                                                                                             std::strerror(errno)));
       done += static_cast<uint64_t>(r);
     }
-  };
-  const off_t end = ::lseek(fd, 0, SEEK_END);
-  if (end < 0) throw CheckpointError("volt: cannot read " + path + ": " + std::strerror(errno));
-  const auto size = static_cast<uint64_t>(end);
-  unsigned char first8[8] = {};
-  if (size >= 8) read_at(reinterpret_cast<char*>(first8), 8, 0);
-  const uint64_t n = detail::header_length(first8, size, path);
-  std::string text(n, '\0');
-  read_at(text.data(), n, 8);
-  Header h = parse_header(text, size - 8 - n, path);
-  TensorFile out{.tensors = {}, .metadata = std::move(h.metadata)};
-  for (const Entry& e : h.entries) {
-    auto fill = [&](char* to, uint64_t bytes) { read_at(to, bytes, 8 + n + e.begin); };
-    out.tensors.emplace_back(e.name, detail::make_tensor(e, fill, path));
+    bytes_read_ += bytes;
   }
+
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0, bytes_read_ = 0;
+  std::string text_;
+  Header header_;
+  std::map<std::string, std::size_t> by_name_;  // into header_.entries
+};
+
+/// Reads a safetensors file: the header first, checked whole, then each tensor's bytes straight into it.
+inline TensorFile read(const std::string& path) {
+  Reader file(path);
+  TensorFile out{.tensors = {}, .metadata = file.header().metadata};
+  for (const Entry& e : file.header().entries) out.tensors.emplace_back(e.name, file.read(e));
   return out;
 }
 

@@ -8,16 +8,19 @@
 ///
 /// | file | contents |
 /// |---|---|
-/// | `index.json` | `format` (`"volt.sharded_checkpoint"`), `format_version` (1), `world_size`; `parameters`: the module's parameter names in its order; `files`: each rank's file, its `bytes` and `crc32`; `tensors`: by global name, its `shape`, `dtype` (safetensors' names) and `pieces`, each a `file` (index into `files`), `offset` and `numel` (the flat elements it holds); `optimizers`: per optimizer, `null` where its whole archive is in `meta.ckpt`, else its `family`, its groups' parameter names and each parameter's `step`; `checksum`: CRC-32 of the rest as JSON |
+/// | `index.json` | `format` (`"volt.sharded_checkpoint"`), `format_version` (2), `world_size`; `parameters`: the module's parameter names in its order; `files`: each rank's file, its `bytes` and `header_crc32` (of its safetensors header); `tensors`: by global name, its `shape`, `dtype` (safetensors' names) and `pieces`, each a `file` (index into `files`), a box (`offsets` and `sizes` along each dimension of the tensor, or of its `view` where one is given: `[numel]` for a range of its flat elements) and the `crc32` of its bytes; `optimizers`: per optimizer, `null` where its whole archive is in `meta.ckpt`, else its `family`, its groups' parameter names and each parameter's `step`; `checksum`: CRC-32 of the rest as JSON |
 /// | `meta.ckpt` | a checkpoint file (volt/checkpoint.hpp's table) with everything else: `state_dict` holds the buffers, `optimizer_states` each optimizer's archive without per-parameter state (its groups and their options) |
-/// | `rank-R-of-W.safetensors` | rank R's pieces, flat: `state_dict.<parameter>` and `optimizer_states.<i>.<parameter>.<field>` (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`) |
+/// | `rank-R-of-W.safetensors` | rank R's pieces, each of its box's sizes: `state_dict.<parameter>` and `optimizer_states.<i>.<parameter>.<field>` (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`) |
 ///
 /// Atomic as a file is: every file goes into `<path>.tmp.<pid of rank zero>` and is flushed; rank zero writes the
 /// index and `meta.ckpt` once every rank's file is there, then swaps the folder in (`replace_atomically`: whatever
 /// `path` held, file or folder, is replaced in one step and deleted after). A job killed at any moment leaves `path`
-/// as it was, or whole. `checkpoint::read` of such a folder checks the index, every file's size and CRC-32 and that
-/// the pieces tile each tensor exactly, then assembles the full form's contents (the weights whole, each optimizer's
-/// archive in the layout of an unsharded run), so that everything that reads a checkpoint reads either form.
+/// as it was, or whole. `ShardedReader` reads such a folder a box at a time (any box of any tensor, whatever boxes the
+/// writer's ranks held, as PyTorch's distributed checkpoints read their chunks): the index checked (its checksum, and
+/// that the pieces tile each tensor exactly), and only the pieces the boxes asked for overlap read, each checked
+/// against its CRC-32. `checkpoint::read` of a folder asks for every tensor whole and assembles the full form's
+/// contents (the weights whole, each optimizer's archive in the layout of an unsharded run), so that everything that
+/// reads a checkpoint reads either form. Format 1 (flat ranges, `offset` and `numel`; a CRC-32 per file) is read too.
 
 #include "volt/checkpoint.hpp"
 #include "volt/checkpoint/safetensors.hpp"
@@ -34,9 +37,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -60,18 +65,35 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string
                                                                const std::string& path);
 
 inline constexpr const char* kShardedFormat = "volt.sharded_checkpoint";
-inline constexpr int64_t kShardedFormatVersion = 1;
+inline constexpr int64_t kShardedFormatVersion = 2;
 inline constexpr const char* kIndexName = "index.json";
 inline constexpr const char* kMetaName = "meta.ckpt";
 
-/// The flat elements [offset, offset + numel) of module parameter `param` that one rank writes.
+/// A box of a tensor: along each dimension of the tensor viewed as `view` (its own shape; `{numel}` for a range of its
+/// flattened elements; any shape of as many elements, such as a fused weight's `{3, d, d}`), the elements from
+/// `offsets[d]` to `offsets[d] + sizes[d]`. PyTorch's distributed checkpoints call it a chunk (offsets and sizes); the
+/// view lets a range of flat buckets' elements, which crosses rows, be one too.
+struct Box {
+  std::vector<int64_t> view, offsets, sizes;
+  int64_t numel() const {
+    int64_t n = 1;
+    for (const int64_t s : sizes) n *= s;
+    return n;
+  }
+  /// Elements [offset, offset + numel) of a tensor of `total` elements, flattened.
+  static Box flat(int64_t total, int64_t offset, int64_t numel) { return {{total}, {offset}, {numel}}; }
+  /// All of a tensor of shape `shape`.
+  static Box whole(const std::vector<int64_t>& shape) { return {shape, std::vector<int64_t>(shape.size(), 0), shape}; }
+  bool operator==(const Box&) const = default;
+};
+
+/// The part of module parameter `param` that one rank writes.
 struct Slice {
   std::size_t param = 0;
-  int64_t offset = 0;
-  int64_t numel = 0;
-  at::Tensor value;           ///< those elements, flat
+  Box box;
+  at::Tensor value;           ///< those elements (any shape of `box.numel()` elements)
   at::Tensor holder;          ///< the tensor an optimizer files their state under
-  int64_t holder_offset = 0;  ///< where they start in the holder's state, flattened
+  int64_t holder_offset = 0;  ///< where they start in the holder's state, flattened (the box's elements follow in order)
 };
 
 /// Rank `rank`'s part of parameter `j` (`p`) where every rank holds it whole: the `world` near-equal flat ranges'
@@ -81,7 +103,7 @@ inline std::optional<Slice> replicated_slice(std::size_t j, const at::Tensor& p,
   const int64_t offset = std::min<int64_t>(per * rank, p.numel());
   const int64_t numel = std::min<int64_t>(per, p.numel() - offset);
   if (numel <= 0) return std::nullopt;
-  return Slice{j, offset, numel, p.detach().reshape(-1).narrow(0, offset, numel), p, offset};
+  return Slice{j, Box::flat(p.numel(), offset, numel), p.detach().reshape(-1).narrow(0, offset, numel), p, offset};
 }
 inline std::vector<Slice> replicated_slices(const std::vector<at::Tensor>& params, int rank, int world) {
   std::vector<Slice> out;
@@ -90,6 +112,65 @@ inline std::vector<Slice> replicated_slices(const std::vector<at::Tensor>& param
   }
   return out;
 }
+
+namespace detail {
+
+/// Elements [start, start + length) of a tensor, flattened, found at `local` in a box's own (row-major) order.
+struct Run {
+  int64_t start = 0, length = 0, local = 0;
+  int64_t end() const { return start + length; }
+};
+/// A box as the runs of the tensor's flat elements it holds, in order (one for a flat range or rows cut whole).
+inline std::vector<Run> runs_of(const Box& b) {
+  const std::size_t d = b.view.size();
+  if (d == 0) return {{0, 1, 0}};
+  if (b.numel() == 0) return {};
+  std::vector<int64_t> stride(d, 1);
+  for (std::size_t i = d - 1; i-- > 0;) stride[i] = stride[i + 1] * b.view[i + 1];
+  std::size_t m = d - 1;  // the dimension a run is cut along: those after it are whole
+  while (m > 0 && b.sizes[m] == b.view[m]) --m;
+  const int64_t length = b.sizes[m] * stride[m];
+  std::vector<int64_t> at(m, 0);
+  std::vector<Run> out;
+  for (int64_t local = 0;; local += length) {
+    int64_t start = b.offsets[m] * stride[m];
+    for (std::size_t i = 0; i < m; ++i) start += (b.offsets[i] + at[i]) * stride[i];
+    out.push_back({start, length, local});
+    std::size_t i = m;
+    while (i > 0 && ++at[i - 1] == b.sizes[i - 1]) at[--i] = 0;
+    if (i == 0) return out;
+  }
+}
+/// Calls `each(a_run, b_run, lo, hi)` for every stretch [lo, hi) of flat elements that runs `a` and `b` (each in
+/// order) both hold.
+template <class F>
+void for_shared(const std::vector<Run>& a, const std::vector<Run>& b, F&& each) {
+  for (std::size_t i = 0, j = 0; i < a.size() && j < b.size();) {
+    const int64_t lo = std::max(a[i].start, b[j].start), hi = std::min(a[i].end(), b[j].end());
+    if (lo < hi) each(a[i], b[j], lo, hi);
+    a[i].end() < b[j].end() ? ++i : ++j;
+  }
+}
+/// Whether two boxes' runs share an element.
+inline bool share(const std::vector<Run>& a, const std::vector<Run>& b) {
+  bool shared = false;
+  for_shared(a, b, [&](const Run&, const Run&, int64_t, int64_t) { shared = true; });
+  return shared;
+}
+/// Copies into `to` (box `tb`'s elements in order, `element` bytes each) those of `from` (`fb`'s) that both boxes
+/// hold; returns how many.
+inline int64_t copy_shared(const std::vector<Run>& tb, char* to, const std::vector<Run>& fb, const char* from,
+                           std::size_t element) {
+  int64_t copied = 0;
+  for_shared(tb, fb, [&](const Run& t, const Run& f, int64_t lo, int64_t hi) {
+    std::memcpy(to + (t.local + lo - t.start) * element, from + (f.local + lo - f.start) * element,
+                static_cast<std::size_t>(hi - lo) * element);
+    copied += hi - lo;
+  });
+  return copied;
+}
+
+}  // namespace detail
 
 /// The module's buffers by dotted name, on the CPU: the `state_dict` of a sharded checkpoint's `meta.ckpt`.
 inline c10::Dict<std::string, at::Tensor> buffer_state(const torch::nn::Module& module) {
@@ -163,9 +244,19 @@ struct RankPieces {
   TensorFile file{.tensors = {}, .metadata = {{"format", "pt"}}};
   nlohmann::json pieces = nlohmann::json::array();
   nlohmann::json steps = nlohmann::json::array();
+
+  /// Adds `value` (box `box` of parameter `param`, or of its state) under `key`, with its bytes' CRC-32.
+  void add(const std::string& key, std::size_t param, const Box& box, const at::Tensor& value) {
+    const at::Tensor t = value.detach().to(at::kCPU).contiguous().view(box.sizes);
+    const uint32_t crc = ::volt::checkpoint::detail::crc(0, static_cast<const char*>(t.data_ptr()),
+                                                         t.numel() * t.element_size());
+    file.tensors.emplace_back(key, t);
+    pieces.push_back({{"key", key}, {"param", param}, {"view", box.view}, {"offsets", box.offsets},
+                      {"sizes", box.sizes}, {"dtype", dtype_name(t)}, {"crc32", crc}});
+  }
 };
 
-/// Adds optimizer `i`'s state of each slice to `out` (fields by name, flat; the step by parameter).
+/// Adds optimizer `i`'s state of each slice to `out` (fields by name, in the slice's box; the step by parameter).
 template <class Codec>
 void add_optimizer_pieces(const ShardedSave& s, std::size_t i, RankPieces& out) {
   using State = typename Codec::State;
@@ -179,10 +270,8 @@ void add_optimizer_pieces(const ShardedSave& s, std::size_t i, RankPieces& out) 
     const auto t = Codec::tensors(typed);
     for (std::size_t f = 0; f < t.size(); ++f) {
       if (!t[f].defined()) continue;
-      const at::Tensor piece = t[f].detach().reshape(-1).narrow(0, sl.holder_offset, sl.numel);
-      const std::string key = "optimizer_states." + std::to_string(i) + "." + name + "." + Codec::names[f];
-      out.file.tensors.emplace_back(key, piece);
-      out.pieces.push_back({key, sl.param, sl.offset, sl.numel, dtype_name(piece)});
+      out.add("optimizer_states." + std::to_string(i) + "." + name + "." + Codec::names[f], sl.param, sl.box,
+              t[f].detach().reshape(-1).narrow(0, sl.holder_offset, sl.box.numel()));
     }
   }
   out.steps.push_back(std::move(steps));
@@ -191,11 +280,7 @@ void add_optimizer_pieces(const ShardedSave& s, std::size_t i, RankPieces& out) 
 /// Writes this rank's file into `folder` (atomically, flushed); returns what the index needs of it.
 inline nlohmann::json write_rank_file(const std::string& folder, const ShardedSave& s) {
   RankPieces out;
-  for (const Slice& sl : s.slices) {
-    const std::string key = std::string(keys::state_dict) + "." + s.names[sl.param];
-    out.file.tensors.emplace_back(key, sl.value);
-    out.pieces.push_back({key, sl.param, sl.offset, sl.numel, dtype_name(sl.value)});
-  }
+  for (const Slice& sl : s.slices) out.add(std::string(keys::state_dict) + "." + s.names[sl.param], sl.param, sl.box, sl.value);
   for (std::size_t i = 0; i < s.optimizers.size(); ++i) {
     if (s.optimizers[i].optimizer == nullptr) {
       out.steps.push_back(nullptr);
@@ -208,15 +293,14 @@ inline nlohmann::json write_rank_file(const std::string& folder, const ShardedSa
   const auto [text, data] = safetensors::encode(out.file, path);
   const uint64_t n = text.size();
   std::vector<std::pair<const char*, std::size_t>> bytes{{reinterpret_cast<const char*>(&n), 8}, {text.data(), n}};
-  for (const auto& t : data) bytes.emplace_back(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
-  uint32_t crc = 0;
-  std::size_t total = 0;
-  for (const auto& [p, size] : bytes) {
-    crc = ::volt::checkpoint::detail::crc(crc, p, size);
-    total += size;
+  std::size_t total = 8 + n;
+  for (const auto& t : data) {
+    bytes.emplace_back(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
+    total += bytes.back().second;
   }
   write_atomic(path, bytes);
-  return {{"bytes", total}, {"crc32", crc}, {"pieces", std::move(out.pieces)}, {"steps", std::move(out.steps)}};
+  return {{"bytes", total}, {"header_crc32", ::volt::checkpoint::detail::crc(0, text)},
+          {"pieces", std::move(out.pieces)}, {"steps", std::move(out.steps)}};
 }
 
 /// Rank zero: the index, from every rank's description (`write_rank_file`'s, in rank order).
@@ -230,12 +314,14 @@ inline nlohmann::json make_index(const ShardedSave& s, const std::vector<std::st
   for (std::size_t r = 0; r < described.size(); ++r) {
     const nlohmann::json d = nlohmann::json::parse(described[r]);
     files.push_back({{"file", rank_file_name(static_cast<int>(r), s.world)}, {"bytes", d.at("bytes")},
-                     {"crc32", d.at("crc32")}});
+                     {"header_crc32", d.at("header_crc32")}});
     for (const auto& p : d.at("pieces")) {
-      nlohmann::json& t = tensors[p.at(0).get<std::string>()];
-      t["shape"] = s.shapes.at(p.at(1).get<std::size_t>());
-      t["dtype"] = p.at(4);
-      t["pieces"].push_back({{"file", r}, {"offset", p.at(2)}, {"numel", p.at(3)}});
+      nlohmann::json& t = tensors[p.at("key").get<std::string>()];
+      t["shape"] = s.shapes.at(p.at("param").get<std::size_t>());
+      t["dtype"] = p.at("dtype");
+      nlohmann::json piece = {{"file", r}, {"offsets", p.at("offsets")}, {"sizes", p.at("sizes")}, {"crc32", p.at("crc32")}};
+      if (p.at("view") != t["shape"]) piece["view"] = p.at("view");
+      t["pieces"].push_back(std::move(piece));
     }
     for (std::size_t i = 0; i < steps.size(); ++i) {
       if (!d.at("steps").at(i).is_null()) steps[i].update(d.at("steps").at(i));
@@ -307,99 +393,271 @@ namespace detail {
   throw CheckpointError("volt: the sharded checkpoint " + dir + " " + what);
 }
 
-/// The index of the sharded checkpoint in `dir`, checked: format, version and checksum.
-inline nlohmann::json read_index(const std::string& dir) {
-  const std::string path = (std::filesystem::path(dir) / kIndexName).string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) sharded_fail(dir, "has no readable " + std::string(kIndexName) + ".");
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  nlohmann::json index = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!index.is_object()) sharded_fail(dir, "has an index.json that is not a JSON object (" + std::to_string(text.size()) + " bytes).");
-  if (index.value("format", std::string()) != kShardedFormat) {
-    sharded_fail(dir, std::string("has an index.json whose \"format\" is not \"") + kShardedFormat + "\".");
+/// The elements of tensor `name`'s shape `shape`, refused where no tensor has that shape.
+inline int64_t numel_of(const std::vector<int64_t>& shape, const std::string& name, const std::string& dir) {
+  int64_t total = 1;
+  for (const int64_t s : shape) {
+    if (s < 0 || (s > 0 && total > std::numeric_limits<int64_t>::max() / s)) {
+      sharded_fail(dir, "gives " + name + " the shape " + nlohmann::json(shape).dump() + ", which no tensor has.");
+    }
+    total *= s;
   }
-  const int64_t version = index.value("format_version", int64_t{-1});
-  if (version < 1 || version > kShardedFormatVersion) {
-    sharded_fail(dir, "has format version " + std::to_string(version) + "; this volt (" + version_string +
-                          ") reads version 1 to " + std::to_string(kShardedFormatVersion) + ".");
+  return total;
+}
+/// `b`, checked to be a box of tensor `name` (of shape `shape`): a view of as many elements, and every range inside it
+/// and not empty; `shown` is how the message shows it.
+inline Box inside(Box b, const std::vector<int64_t>& shape, const std::string& name, const std::string& dir,
+                  const std::string& shown) {
+  const int64_t total = numel_of(shape, name, dir);
+  int64_t view = 1;
+  bool ok = b.offsets.size() == b.view.size() && b.sizes.size() == b.view.size();
+  for (std::size_t d = 0; ok && d < b.view.size(); ++d) {
+    ok = b.view[d] > 0 && view <= std::numeric_limits<int64_t>::max() / b.view[d] && b.offsets[d] >= 0 &&
+         b.sizes[d] > 0 && b.offsets[d] <= b.view[d] - b.sizes[d];
+    view *= ok ? b.view[d] : 1;
+  }
+  if (!ok || view != total) {
+    sharded_fail(dir, "gives " + name + " (shape " + nlohmann::json(shape).dump() + ") a box that is not inside it: " +
+                          shown + ".");
+  }
+  return b;
+}
+/// Piece `p` of tensor `name` as the index gives it (format 2: a box; format 1: a flat range), checked.
+inline Box box_of(const nlohmann::json& p, const std::vector<int64_t>& shape, const std::string& name,
+                  const std::string& dir) {
+  Box b = p.contains("sizes") ? Box{p.value("view", shape), p.at("offsets").get<std::vector<int64_t>>(),
+                                    p.at("sizes").get<std::vector<int64_t>>()}
+                              : Box::flat(numel_of(shape, name, dir), p.at("offset").get<int64_t>(),
+                                          p.at("numel").get<int64_t>());
+  return inside(std::move(b), shape, name, dir, p.dump());
+}
+
+}  // namespace detail
+
+/// A sharded checkpoint's folder, read a box at a time: the index read and checked when it opens (format, version,
+/// checksum, and that each tensor's pieces tile it exactly), each rank file's header when a piece of it is first
+/// needed (its size and CRC-32 checked against the index), and each piece's bytes only when a box asked for overlaps it
+/// (checked against the CRC-32 the index gives them). So a rank that asks for its own boxes reads its pieces, the
+/// headers of the files they are in, and the index; `bytes_read()` counts it. Format 1 folders, whose index gives each
+/// file one CRC-32, are read a whole file at a time.
+class ShardedReader {
+ public:
+  explicit ShardedReader(std::string dir) : dir_(std::move(dir)) {
+    index_ = read_index();
+    try {
+      files_.resize(index_.at("files").size());
+      for (const auto& [name, t] : index_.at("tensors").items()) add_tensor(name, t);
+    } catch (const nlohmann::json::exception& e) {
+      detail::sharded_fail(dir_, std::string("has an index.json that is not what volt writes (") + e.what() + ").");
+    }
+  }
+
+  const nlohmann::json& index() const { return index_; }
+  const std::string& dir() const { return dir_; }
+  uint64_t bytes_read() const { return bytes_read_; }
+  /// The tensors the index names (`state_dict.<parameter>`, `optimizer_states.<i>.<parameter>.<field>`).
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& [name, t] : tensors_) out.push_back(name);
+    return out;
+  }
+  bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
+  const std::vector<int64_t>& shape(const std::string& name) const { return tensor(name).shape; }
+
+  /// Box `box` of tensor `name` (a CPU tensor of the box's sizes and the file's dtype), from the pieces it overlaps.
+  at::Tensor read(const std::string& name, const Box& box) {
+    const Tensor& t = tensor(name);
+    const std::string shown =
+        nlohmann::json({{"view", box.view}, {"offsets", box.offsets}, {"sizes", box.sizes}}).dump();
+    if (detail::numel_of(t.shape, name, dir_) == 0) {  // no pieces: only all of it, of no elements, can be asked
+      if (box != Box::whole(t.shape)) detail::inside(box, t.shape, name, dir_, shown);
+      return at::empty(t.shape, at::TensorOptions().dtype(t.dtype));
+    }
+    const std::vector<detail::Run> runs = detail::runs_of(detail::inside(box, t.shape, name, dir_, shown));
+    at::Tensor out = at::empty(box.sizes, at::TensorOptions().dtype(t.dtype));
+    int64_t filled = 0;
+    for (const Piece& p : t.pieces) {
+      if (!detail::share(runs, p.runs)) continue;  // its bytes are not read
+      const at::Tensor bytes = piece(name, p, t);
+      filled += detail::copy_shared(runs, static_cast<char*>(out.data_ptr()), p.runs,
+                                    static_cast<const char*>(bytes.data_ptr()), out.element_size());
+    }
+    if (filled != box.numel()) detail::sharded_fail(dir_, "holds " + std::to_string(filled) + " of the " +
+                                                              std::to_string(box.numel()) + " elements asked of " + name + ".");
+    return out;
+  }
+
+ private:
+  struct Piece {
+    std::size_t file = 0;
+    Box box;
+    int64_t crc = -1;  ///< format 1: none (the file's)
+    std::vector<detail::Run> runs;
+  };
+  struct Tensor {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype = at::kFloat;
+    std::vector<Piece> pieces;
+  };
+  struct File {
+    std::unique_ptr<safetensors::Reader> reader;  ///< format 2
+    std::map<std::string, at::Tensor> whole;      ///< format 1: every tensor of the file, read at once
+    bool open = false;
+  };
+
+  const Tensor& tensor(const std::string& name) const {
+    const auto it = tensors_.find(name);
+    if (it == tensors_.end()) detail::sharded_fail(dir_, "holds no tensor " + name + ".");
+    return it->second;
+  }
+  nlohmann::json read_index();
+  void add_tensor(const std::string& name, const nlohmann::json& t);
+  File& open(std::size_t r);
+  at::Tensor piece(const std::string& name, const Piece& p, const Tensor& t);
+
+  std::string dir_;
+  nlohmann::json index_;
+  int64_t version_ = 0;
+  std::map<std::string, Tensor> tensors_;
+  std::vector<File> files_;
+  uint64_t bytes_read_ = 0;
+};
+
+/// The index of the folder, checked: format, version and checksum.
+inline nlohmann::json ShardedReader::read_index() {
+  const std::string path = (std::filesystem::path(dir_) / kIndexName).string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) detail::sharded_fail(dir_, "has no readable " + std::string(kIndexName) + ".");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  bytes_read_ += text.size();
+  nlohmann::json index = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!index.is_object()) {
+    detail::sharded_fail(dir_, "has an index.json that is not a JSON object (" + std::to_string(text.size()) + " bytes).");
+  }
+  if (index.value("format", std::string()) != kShardedFormat) {
+    detail::sharded_fail(dir_, std::string("has an index.json whose \"format\" is not \"") + kShardedFormat + "\".");
+  }
+  version_ = index.value("format_version", int64_t{-1});
+  if (version_ < 1 || version_ > kShardedFormatVersion) {
+    detail::sharded_fail(dir_, "has format version " + std::to_string(version_) + "; this volt (" + version_string +
+                                   ") reads version 1 to " + std::to_string(kShardedFormatVersion) + ".");
   }
   const int64_t stored = index.value("checksum", int64_t{-1});
   index.erase("checksum");
   if (stored != static_cast<int64_t>(::volt::checkpoint::detail::crc(0, index.dump()))) {
-    sharded_fail(dir, "has an index.json that does not match its checksum (it was changed after it was written).");
+    detail::sharded_fail(dir_, "has an index.json that does not match its checksum (it was changed after it was written).");
   }
   return index;
 }
 
-/// Every tensor of the index allocated whole, and which pieces each file holds; refuses pieces that do not tile
-/// their tensor exactly.
-struct Assembly {
-  std::map<std::string, at::Tensor> whole;
-  std::vector<std::vector<std::tuple<std::string, int64_t, int64_t>>> by_file;  // name, offset, numel
-};
-inline Assembly plan_assembly(const nlohmann::json& index, const std::string& dir) {
-  Assembly a;
-  a.by_file.resize(index.at("files").size());
-  for (const auto& [name, t] : index.at("tensors").items()) {
-    const auto shape = t.at("shape").get<std::vector<int64_t>>();
-    const auto* dtype = t.at("dtype").is_null() ? nullptr : safetensors::detail::find(t.at("dtype").get<std::string>());
-    if (dtype == nullptr && !t.at("pieces").empty()) sharded_fail(dir, "names an unknown dtype for " + name + ".");
-    at::Tensor whole = torch::empty(shape, dtype == nullptr ? at::kFloat : dtype->type);
-    std::vector<std::pair<int64_t, int64_t>> ranges;
-    for (const auto& p : t.at("pieces")) {
-      const auto file = p.at("file").get<std::size_t>();
-      const auto offset = p.at("offset").get<int64_t>(), numel = p.at("numel").get<int64_t>();
-      if (file >= a.by_file.size()) sharded_fail(dir, "puts a piece of " + name + " in a file it does not list.");
-      a.by_file[file].emplace_back(name, offset, numel);
-      ranges.emplace_back(offset, numel);
-    }
-    std::sort(ranges.begin(), ranges.end());
-    int64_t covered = 0;
-    for (const auto& [offset, numel] : ranges) {
-      if (offset != covered || numel <= 0) {
-        sharded_fail(dir, "does not hold all of " + name + ": its pieces leave a gap or overlap at element " +
-                              std::to_string(std::min(offset, covered)) + ".");
-      }
-      covered += numel;
-    }
-    if (covered != whole.numel()) {
-      sharded_fail(dir, "holds " + std::to_string(covered) + " of the " + std::to_string(whole.numel()) +
-                            " elements of " + name + ".");
-    }
-    a.whole.emplace(name, std::move(whole));
+/// Tensor `name` of the index, its pieces checked to tile it exactly (no gap, no overlap).
+inline void ShardedReader::add_tensor(const std::string& name, const nlohmann::json& t) {
+  Tensor out;
+  out.shape = t.at("shape").get<std::vector<int64_t>>();
+  const auto* dtype = t.at("dtype").is_null() ? nullptr : safetensors::detail::find(t.at("dtype").get<std::string>());
+  if (dtype == nullptr && !t.at("pieces").empty()) detail::sharded_fail(dir_, "names an unknown dtype for " + name + ".");
+  out.dtype = dtype == nullptr ? at::kFloat : dtype->type;
+  std::vector<detail::Run> all;
+  for (const auto& p : t.at("pieces")) {
+    Piece piece{p.at("file").get<std::size_t>(), detail::box_of(p, out.shape, name, dir_), p.value("crc32", int64_t{-1}), {}};
+    if (piece.file >= files_.size()) detail::sharded_fail(dir_, "puts a piece of " + name + " in a file it does not list.");
+    if (version_ >= 2 && piece.crc < 0) detail::sharded_fail(dir_, "gives a piece of " + name + " no CRC-32.");
+    piece.runs = detail::runs_of(piece.box);
+    all.insert(all.end(), piece.runs.begin(), piece.runs.end());
+    out.pieces.push_back(std::move(piece));
   }
-  return a;
+  std::sort(all.begin(), all.end(), [](const detail::Run& a, const detail::Run& b) { return a.start < b.start; });
+  int64_t covered = 0;
+  for (const detail::Run& r : all) {
+    if (r.start != covered) {
+      detail::sharded_fail(dir_, "does not hold all of " + name + ": its pieces leave a gap or overlap at element " +
+                                     std::to_string(std::min(r.start, covered)) + ".");
+    }
+    covered += r.length;
+  }
+  const int64_t numel = detail::numel_of(out.shape, name, dir_);
+  if (covered != numel) {
+    detail::sharded_fail(dir_, "holds " + std::to_string(covered) + " of the " + std::to_string(numel) +
+                                   " elements of " + name + ".");
+  }
+  tensors_.emplace(name, std::move(out));
 }
 
-/// Reads rank file `r` (checked against the index's size and CRC-32) and copies its pieces into place.
-inline void fill_from_file(const nlohmann::json& index, std::size_t r, Assembly& a, const std::string& dir) {
-  const nlohmann::json& f = index.at("files").at(r);
-  const std::string path = (std::filesystem::path(dir) / f.at("file").get<std::string>()).string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) sharded_fail(dir, "is missing " + f.at("file").get<std::string>() + " (rank " + std::to_string(r) + "'s pieces).");
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (bytes.size() != f.at("bytes").get<std::size_t>() ||
-      ::volt::checkpoint::detail::crc(0, bytes.data(), bytes.size()) != f.at("crc32").get<uint32_t>()) {
-    sharded_fail(dir, "has a damaged " + f.at("file").get<std::string>() + " (" + std::to_string(bytes.size()) +
-                          " bytes; the index says " + f.at("bytes").dump() + " and another CRC-32).");
+/// Rank file `r`, opened once: its size and header (format 2) or its whole bytes (format 1) checked against the index.
+inline ShardedReader::File& ShardedReader::open(std::size_t r) {
+  File& f = files_.at(r);
+  if (f.open) return f;
+  const nlohmann::json& entry = index_.at("files").at(r);
+  const std::string file = entry.at("file").get<std::string>();
+  const std::string path = (std::filesystem::path(dir_) / file).string();
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    detail::sharded_fail(dir_, "is missing " + file + " (rank " + std::to_string(r) + "'s pieces).");
   }
-  const TensorFile file = safetensors::decode(bytes.data(), bytes.size(), path);
-  std::map<std::string, const at::Tensor*> by_name;
-  for (const auto& [name, t] : file.tensors) by_name.emplace(name, &t);
-  for (const auto& [name, offset, numel] : a.by_file[r]) {
-    const auto it = by_name.find(name);
-    if (it == by_name.end() || it->second->numel() != numel || it->second->scalar_type() != a.whole[name].scalar_type()) {
-      sharded_fail(dir, "has no piece of " + name + " of " + std::to_string(numel) + " elements in " +
-                            f.at("file").get<std::string>() + ", where its index puts one.");
+  auto damaged = [&](uint64_t size, const std::string& what) {
+    detail::sharded_fail(dir_, "has a damaged " + file + " (" + std::to_string(size) + " bytes; the index says " +
+                                   entry.at("bytes").dump() + " and " + what + ").");
+  };
+  if (version_ == 1) {
+    std::ifstream in(path, std::ios::binary);
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    bytes_read_ += bytes.size();
+    if (bytes.size() != entry.at("bytes").get<std::size_t>() ||
+        ::volt::checkpoint::detail::crc(0, bytes.data(), bytes.size()) != entry.at("crc32").get<uint32_t>()) {
+      damaged(bytes.size(), "another CRC-32");
     }
-    a.whole[name].view(-1).narrow(0, offset, numel).copy_(it->second->reshape(-1));
+    for (auto& [name, t] : safetensors::decode(bytes.data(), bytes.size(), path).tensors) f.whole.emplace(name, t);
+  } else {
+    try {
+      f.reader = std::make_unique<safetensors::Reader>(path);
+    } catch (const CheckpointError& e) {
+      damaged(std::filesystem::file_size(path, ec), std::string("its header does not read: ") + e.what());
+    }
+    bytes_read_ += f.reader->bytes_read();
+    if (f.reader->size() != entry.at("bytes").get<uint64_t>() ||
+        ::volt::checkpoint::detail::crc(0, f.reader->header_text()) != entry.at("header_crc32").get<uint32_t>()) {
+      damaged(f.reader->size(), "another CRC-32 of its header");
+    }
   }
+  f.open = true;
+  return f;
 }
+
+/// Piece `p` of tensor `name`, its elements in its box's order, read (format 2) and checked against its CRC-32.
+inline at::Tensor ShardedReader::piece(const std::string& name, const Piece& p, const Tensor& t) {
+  File& f = open(p.file);
+  const std::string file = index_.at("files").at(p.file).at("file").get<std::string>();
+  auto missing = [&] {
+    detail::sharded_fail(dir_, "has no piece of " + name + " of " + std::to_string(p.box.numel()) + " elements in " +
+                                   file + ", where its index puts one.");
+  };
+  at::Tensor out;
+  if (version_ == 1) {
+    const auto it = f.whole.find(name);
+    if (it == f.whole.end()) missing();
+    out = it->second;
+  } else {
+    const safetensors::Entry* e = f.reader->find(name);
+    if (e == nullptr) missing();
+    const uint64_t before = f.reader->bytes_read();
+    out = f.reader->read(*e);
+    bytes_read_ += f.reader->bytes_read() - before;
+    if (::volt::checkpoint::detail::crc(0, out.data_ptr(), out.numel() * out.element_size()) != static_cast<uint32_t>(p.crc)) {
+      detail::sharded_fail(dir_, "has a damaged " + file + " (the bytes of " + name +
+                                     " do not match the CRC-32 the index gives them).");
+    }
+  }
+  if (out.numel() != p.box.numel() || out.scalar_type() != t.dtype) missing();
+  return out.contiguous();
+}
+
+namespace detail {
 
 /// Optimizer `i`'s archive in the layout of an unsharded run: its skeleton loaded into an optimizer of its family over
 /// stand-ins for the parameters, each parameter's state put back whole, archived again.
-inline at::Tensor assemble_optimizer(const nlohmann::json& o, std::size_t i, const at::Tensor& skeleton, Assembly& a,
-                                     const std::string& dir) {
+inline at::Tensor assemble_optimizer(const nlohmann::json& o, std::size_t i, const at::Tensor& skeleton,
+                                     ShardedReader& reader) {
+  const std::string& dir = reader.dir();
   std::vector<torch::optim::OptimizerParamGroup> groups;
   std::vector<std::pair<std::string, at::Tensor>> stand_ins;
   for (const auto& g : o.at("groups")) {
@@ -418,8 +676,8 @@ inline at::Tensor assemble_optimizer(const nlohmann::json& o, std::size_t i, con
       if (!o.at("steps").contains(name)) continue;  // no state yet
       std::vector<at::Tensor> fields(Codec::fields);
       for (std::size_t f = 0; f < Codec::fields; ++f) {
-        const auto it = a.whole.find("optimizer_states." + std::to_string(i) + "." + name + "." + Codec::names[f]);
-        if (it != a.whole.end()) fields[f] = it->second;
+        const std::string key = "optimizer_states." + std::to_string(i) + "." + name + "." + Codec::names[f];
+        if (reader.contains(key)) fields[f] = reader.read(key, Box::whole(reader.shape(key)));
       }
       ::volt::detail::put_state(*optimizer, stand_in, Codec::make(fields, o.at("steps").at(name).template get<int64_t>()));
     }
@@ -432,18 +690,16 @@ inline at::Tensor assemble_optimizer(const nlohmann::json& o, std::size_t i, con
 /// Reads the sharded checkpoint in `dir` (checked) as the full form's contents.
 inline Dict read_sharded(const std::string& dir) {
   try {
-    const nlohmann::json index = detail::read_index(dir);
+    ShardedReader reader(dir);
+    const nlohmann::json& index = reader.index();
     Dict d = read((std::filesystem::path(dir) / kMetaName).string());
-    detail::Assembly a = detail::plan_assembly(index, dir);
-    for (std::size_t r = 0; r < a.by_file.size(); ++r) detail::fill_from_file(index, r, a, dir);
     Dict weights = make_dict();  // the parameters, then what meta.ckpt holds (the buffers)
     const std::string prefix = std::string(keys::state_dict) + ".";
     const Dict meta_weights = d.at(keys::state_dict).toGenericDict();
     for (const auto& name : index.at("parameters")) {  // in the module's order
       const std::string n = name.get<std::string>();
-      const auto it = a.whole.find(prefix + n);
-      if (it == a.whole.end()) detail::sharded_fail(dir, "lists the parameter " + n + " but holds no tensor for it.");
-      if (!meta_weights.contains(n)) weights.insert(n, it->second);
+      if (!reader.contains(prefix + n)) detail::sharded_fail(dir, "lists the parameter " + n + " but holds no tensor for it.");
+      if (!meta_weights.contains(n)) weights.insert(n, reader.read(prefix + n, Box::whole(reader.shape(prefix + n))));
     }
     for (const auto& e : meta_weights) weights.insert(e.key(), e.value());
     d.insert_or_assign(keys::state_dict, weights);
@@ -451,7 +707,7 @@ inline Dict read_sharded(const std::string& dir) {
       c10::impl::GenericList archives = d.at(keys::optimizer_states).toList();
       for (std::size_t i = 0; i < archives.size(); ++i) {
         const nlohmann::json& o = index.at("optimizers").at(i);
-        if (!o.is_null()) archives.set(i, detail::assemble_optimizer(o, i, archives.get(i).toTensor(), a, dir));
+        if (!o.is_null()) archives.set(i, detail::assemble_optimizer(o, i, archives.get(i).toTensor(), reader));
       }
     }
     return d;

@@ -233,7 +233,8 @@ class ShardedHolder {
     }
     if (!shards_) return out;
     for (const ShardPiece& piece : shards_->pieces()) {
-      out.push_back({piece.param, piece.param_offset, piece.numel, piece.tensor.detach(), piece.tensor, 0});
+      out.push_back({piece.param, checkpoint::Box::flat(params_[piece.param].numel(), piece.param_offset, piece.numel),
+                     piece.tensor.detach(), piece.tensor, 0});
     }
     return out;
   }

@@ -23,6 +23,7 @@
 #include <torch/types.h>
 
 #include <cctype>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -43,6 +44,9 @@ namespace detail {
 struct Collectives {
   virtual ~Collectives() = default;
   virtual torch::Tensor all_reduce(const torch::Tensor& t, Reduce op) = 0;
+  /// What `sync_dist` reduces a logged value over: the ranks whose batches differ (the data axes of a mesh whose other
+  /// axes share batches), every rank elsewhere.
+  virtual torch::Tensor sync_all_reduce(const torch::Tensor& t, Reduce op) = 0;
   virtual torch::Tensor all_gather(const torch::Tensor& t) = 0;
   virtual void broadcast_(const torch::Tensor& t, int root) = 0;
   virtual void barrier() = 0;
@@ -52,12 +56,26 @@ struct Collectives {
   virtual int global_rank() const = 0;
 };
 
+/// A strategy whose ranks may share batches (a mesh with tensor or pipe axes: ModelParallel) and so reduces over its
+/// data ranks only where that is asked (`data_all_reduce`); under any other, every rank's batches differ.
+template <class S>
+concept ReducesOverDataRanks = requires(S& s, const torch::Tensor& t) {
+  { s.data_all_reduce(t, Reduce::sum) } -> std::same_as<torch::Tensor>;
+};
+
 /// Collectives of a strategy `S` (every strategy has them: strategies/concept.hpp).
 template <class S>
 class StrategyCollectives final : public Collectives {
  public:
   explicit StrategyCollectives(S* strategy) : s_(strategy) {}
   torch::Tensor all_reduce(const torch::Tensor& t, Reduce op) override { return s_->all_reduce(t, op); }
+  torch::Tensor sync_all_reduce(const torch::Tensor& t, Reduce op) override {
+    if constexpr (ReducesOverDataRanks<S>) {
+      return s_->data_all_reduce(t, op);
+    } else {
+      return s_->all_reduce(t, op);
+    }
+  }
   torch::Tensor all_gather(const torch::Tensor& t) override { return s_->all_gather(t); }
   void broadcast_(const torch::Tensor& t, int root) override { s_->broadcast_(t, root); }
   void barrier() override { s_->barrier(); }

@@ -81,6 +81,17 @@ class MeshAxis {
   std::vector<int> members_{0};
 };
 
+/// What the ranks along a mesh axis share (torchtitan's `dp_replicate`/`dp_shard`, `tp`, `pp`). `data`: each trains on
+/// its own share of every batch; whether a part of the module is replicated or sharded along it is the model plan's
+/// choice (volt/model_plan.hpp), so both of torchtitan's data roles are this one. `tensor` and `pipe`: they share each
+/// batch (a layer's pieces, a pipeline's stages), so the loaders' split, `sync_dist` and every gradient's average run
+/// over the data axes only (`Mesh::data()`, the data axes flattened).
+enum class AxisRole { data, tensor, pipe };
+
+inline const char* role_name(AxisRole r) {
+  return r == AxisRole::data ? "data" : r == AxisRole::tensor ? "tensor" : "pipe";
+}
+
 /// The processes of a group on named axes. Made collectively (every member, the same axes); the communicators are
 /// freed with the mesh.
 class Mesh {
@@ -88,6 +99,7 @@ class Mesh {
   struct Dim {
     std::string name;
     int size;  // -1 (for one axis): what the others leave of the group
+    AxisRole role = AxisRole::data;
   };
 
   /// Lays `group`'s members (null: a world of one) out on `dims`, outermost first.
@@ -99,7 +111,12 @@ class Mesh {
       coord[k] = static_cast<int>(rest % static_cast<std::size_t>(dims_[k].size));
       rest /= static_cast<std::size_t>(dims_[k].size);
     }
-    for (std::size_t k = 0; k < dims_.size(); ++k) axes_.push_back(make_axis(k, coord, rank));
+    for (std::size_t k = 0; k < dims_.size(); ++k) axes_.push_back(make_axis({k}, coord, rank, dims_[k].name));
+    std::vector<std::size_t> data;
+    for (std::size_t k = 0; k < dims_.size(); ++k) {
+      if (dims_[k].role == AxisRole::data) data.push_back(k);
+    }
+    data_ = flatten(data, coord, rank, "data");
   }
   Mesh(const Mesh&) = delete;
   Mesh& operator=(const Mesh&) = delete;
@@ -108,6 +125,9 @@ class Mesh {
     MPI_Finalized(&finalized);
     if (finalized || (group_ != nullptr && group_->failed())) return;  // a failed job never frees (peers may be dead)
     for (MeshAxis& a : axes_) {
+      if (a.comm_ != MPI_COMM_NULL) MPI_Comm_free(&a.comm_);
+    }
+    for (auto& [axes, a] : flat_) {
       if (a.comm_ != MPI_COMM_NULL) MPI_Comm_free(&a.comm_);
     }
   }
@@ -120,10 +140,34 @@ class Mesh {
     throw std::invalid_argument("volt: the mesh has no axis \"" + std::string(name) + "\"; its axes: " + shape() + ".");
   }
   const std::vector<MeshAxis>& axes() const { return axes_; }
-  /// "data=2 x tensor=2".
+  const std::vector<Dim>& dims() const { return dims_; }
+  /// The role of the axis called `name` (throws as `axis` does).
+  AxisRole role(std::string_view name) const { return dims_[index(name)].role; }
+  /// The data axes flattened (torchtitan's `dp`): the ranks that share every coordinate but those of the data axes,
+  /// ordered row-major along them; what loaders are split over and `sync_dist` reduces over. With no data axis, this
+  /// rank alone.
+  const MeshAxis& data() const { return data_; }
+  /// The data axes but `along` flattened (`along`: one of them): where a part sharded along `along` is replicated
+  /// (hybrid sharding averages its blocks across it); null where the mesh has no other data axis.
+  const MeshAxis* data_except(std::string_view along) const {
+    const std::size_t skip = index(along);
+    std::vector<std::size_t> others;
+    for (std::size_t k = 0; k < dims_.size(); ++k) {
+      if (k != skip && dims_[k].role == AxisRole::data) others.push_back(k);
+    }
+    if (others.empty()) return nullptr;
+    if (others.size() == 1) return &axes_[others.front()];
+    const auto it = std::find_if(flat_.begin(), flat_.end(), [&](const auto& f) { return f.first == others; });
+    if (it == flat_.end()) throw std::logic_error("volt: a mesh's flattened data axes are made with it.");
+    return &it->second;
+  }
+  /// "data=2 x tensor=2 (tensor)": each axis's size, and its role where it is not data.
   std::string shape() const {
     std::string s;
-    for (const Dim& d : dims_) s += (s.empty() ? "" : " x ") + d.name + "=" + std::to_string(d.size);
+    for (const Dim& d : dims_) {
+      s += (s.empty() ? "" : " x ") + d.name + "=" + std::to_string(d.size) +
+           (d.role == AxisRole::data ? "" : std::string(" (") + role_name(d.role) + ")");
+    }
     return s.empty() ? "no axes" : s;
   }
 
@@ -149,19 +193,38 @@ class Mesh {
     }
   }
 
-  /// Axis `k` as rank `rank` (at `coord`) sees it: its line's members, and the split communicator.
-  MeshAxis make_axis(std::size_t k, const std::vector<int>& coord, int rank) {
+  std::size_t index(std::string_view name) const {
+    for (std::size_t k = 0; k < dims_.size(); ++k) {
+      if (name == dims_[k].name) return k;
+    }
+    throw std::invalid_argument("volt: the mesh has no axis \"" + std::string(name) + "\"; its axes: " + shape() + ".");
+  }
+
+  /// Axes `ks` (in the mesh's order) flattened into one, as rank `rank` (at `coord`) sees it: the members that share
+  /// every other coordinate, ordered row-major along `ks`, and the split communicator. Every rank makes the same ones.
+  MeshAxis make_axis(const std::vector<std::size_t>& ks, const std::vector<int>& coord, int rank, const std::string& name) {
     MeshAxis a;
     a.group_ = group_;
-    a.name_ = detail::intern(dims_[k].name);
-    a.rank_ = coord[k];
-    std::size_t stride = 1;
-    for (std::size_t j = k + 1; j < dims_.size(); ++j) stride *= static_cast<std::size_t>(dims_[j].size);
+    a.name_ = detail::intern(name);
+    std::vector<int> stride(dims_.size(), 1);  // of each axis in world ranks
+    for (std::size_t j = dims_.size() - 1; j-- > 0;) stride[j] = stride[j + 1] * dims_[j + 1].size;
+    int first = rank, size = 1;
+    for (const std::size_t k : ks) {
+      a.rank_ = a.rank_ * dims_[k].size + coord[k];
+      first -= coord[k] * stride[k];
+      size *= dims_[k].size;
+    }
     a.members_.clear();
-    const int first = rank - coord[k] * static_cast<int>(stride);
-    for (int i = 0; i < dims_[k].size; ++i) a.members_.push_back(first + i * static_cast<int>(stride));
+    for (int i = 0; i < size; ++i) {  // the i-th member: i's digits along ks, row-major
+      int world = first;
+      for (std::size_t n = ks.size(), rest = static_cast<std::size_t>(i); n-- > 0;) {
+        world += static_cast<int>(rest % static_cast<std::size_t>(dims_[ks[n]].size)) * stride[ks[n]];
+        rest /= static_cast<std::size_t>(dims_[ks[n]].size);
+      }
+      a.members_.push_back(world);
+    }
     for (std::size_t j = 0; j < dims_.size(); ++j) {  // the line's index: the other coordinates, row-major
-      if (j != k) a.color_ = a.color_ * dims_[j].size + coord[j];
+      if (std::find(ks.begin(), ks.end(), j) == ks.end()) a.color_ = a.color_ * dims_[j].size + coord[j];
     }
     if (group_ == nullptr) return a;
     MPI_Request request;  // every member there before the split, which is not watched (MPI has no MPI_Comm_isplit)
@@ -172,9 +235,29 @@ class Mesh {
     return a;
   }
 
+  /// The data axes `ks` flattened as `data()` is, and every set of all of them but one (`data_except`); one axis is
+  /// itself, none is this rank alone.
+  MeshAxis flatten(const std::vector<std::size_t>& ks, const std::vector<int>& coord, int rank, const std::string& name) {
+    for (std::size_t skip = 0; ks.size() > 2 && skip < ks.size(); ++skip) {
+      std::vector<std::size_t> others = ks;
+      others.erase(others.begin() + static_cast<std::ptrdiff_t>(skip));
+      flat_.emplace_back(others, make_axis(others, coord, rank, joined(others)));
+    }
+    if (ks.size() == 1) return axes_[ks.front()];
+    flat_.emplace_back(ks, make_axis(ks, coord, rank, name));
+    return flat_.back().second;
+  }
+  std::string joined(const std::vector<std::size_t>& ks) const {
+    std::string s;
+    for (const std::size_t k : ks) s += (s.empty() ? "" : "*") + dims_[k].name;
+    return s;
+  }
+
   detail::MpiGroup* group_;
   std::vector<Dim> dims_;
   std::vector<MeshAxis> axes_;
+  std::vector<std::pair<std::vector<std::size_t>, MeshAxis>> flat_;  // flattened axes, by the axes they join (own comms)
+  MeshAxis data_;  // a copy: of an axis of `axes_` or of `flat_` (it does not free its communicator)
 };
 
 }  // namespace volt

@@ -50,7 +50,7 @@ class LoggerConnector {
       if (!e.step_fresh) continue;
       e.step_fresh = false;
       const std::string key = e.step_key();
-      const torch::Tensor v = e.sync_dist ? collectives.all_reduce(e.step_value, e.reduce) : e.step_value;
+      const torch::Tensor v = e.sync_dist ? collectives.sync_all_reduce(e.step_value, e.reduce) : e.step_value;
       set(key, v, e.prog_bar, e.logger);
       if (e.logger && for_loggers) pending_[key] = v;
     }
@@ -73,8 +73,8 @@ class LoggerConnector {
       torch::Tensor acc = e.accumulated.defined() ? e.accumulated : reduction_identity(e.reduce, torch::kFloat64);
       torch::Tensor weight = torch::scalar_tensor(e.weight, acc.options());
       if (e.sync_dist) {  // a weighted mean: sum the weighted values and the weights across ranks
-        acc = collectives.all_reduce(acc, e.reduce == Reduce::mean ? Reduce::sum : e.reduce);
-        weight = collectives.all_reduce(weight, Reduce::sum);
+        acc = collectives.sync_all_reduce(acc, e.reduce == Reduce::mean ? Reduce::sum : e.reduce);
+        weight = collectives.sync_all_reduce(weight, Reduce::sum);
         if (weight.template item<double>() == 0.0) continue;  // no rank has a value yet
       }
       publish(e.reduce == Reduce::mean ? acc / weight : acc, e, to_log);

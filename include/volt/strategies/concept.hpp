@@ -25,6 +25,7 @@
 /// | `global_rank()`, `local_rank()`, `world_size()`, `is_global_zero()` | this process's place |
 /// | `root_device() -> torch::Device` | where batches go |
 /// | `all_reduce(const torch::Tensor&, Reduce) -> torch::Tensor` | a reduced copy across ranks |
+/// | `data_all_reduce(const torch::Tensor&, Reduce) -> torch::Tensor` (optional: `ReducesOverDataRanks`, volt/context.hpp) | a reduced copy across the ranks whose batches differ (ModelParallel: the mesh's data axes), what `sync_dist` reduces logged values over; absent: `all_reduce` |
 /// | `all_gather(const torch::Tensor&) -> torch::Tensor` | every rank's tensor stacked along a new first dimension |
 /// | `broadcast_(const torch::Tensor&, int root)` | rank `root`'s tensor copied in place on every rank |
 /// | `reduce_boolean_decision(bool, bool all) -> bool` | all ranks agree (all: every rank true; else any) |

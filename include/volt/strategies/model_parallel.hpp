@@ -13,13 +13,14 @@
 ///
 /// | part | what each rank holds and does |
 /// |---|---|
-/// | `plan.shard(m, axis)` | FSDP of `m` along the mesh axis `axis` (the layout of `FSDP`, strategies/sharded.hpp and fully_sharded.hpp, over that axis's communicator): each rank on the axis keeps its shard of each unit of `m`; gradients reduce-scattered along the axis as each unit's backward ends. On a mesh of two axes, replicated along the other (hybrid sharding, FSDP2's HSDP): after the step's last backward the blocks are averaged across it |
-/// | `plan.replicate(m)`, and what no part holds | DDP over every rank (strategies/replicated.hpp) |
+/// | `plan.shard(m, axis)` | FSDP of `m` along the mesh's data axis `axis` (the layout of `FSDP`, strategies/sharded.hpp and fully_sharded.hpp, over that axis's communicator): each rank on the axis keeps its shard of each unit of `m`; gradients reduce-scattered along the axis as each unit's backward ends. Where the mesh has other data axes, replicated along them (hybrid sharding, FSDP2's HSDP): after the step's last backward the blocks are averaged across them |
+/// | `plan.replicate(m)`, and what no part holds | DDP over the data axes (strategies/replicated.hpp) |
 ///
-/// Every axis of the mesh is data parallel: each rank trains on its own share of every batch (the loaders are sharded
-/// over all ranks, as DDP's) and every gradient ends averaged over all ranks, so a fit equals a one-process fit on the
-/// global batches whatever the plan. Hence a mesh of one axis (default: `data`, every rank) or two; tensor and pipeline
-/// axes, whose ranks share a batch, will come with the parallelisms that use them.
+/// Each axis has a role (`AxisRole`, comm/mesh.hpp). Along a data axis each rank trains on its own share of every
+/// batch: the loaders are split over the data axes flattened (`Mesh::data()`), logged values with `sync_dist` are
+/// reduced over them, and every gradient ends averaged over them, so a fit equals a one-process fit on the global
+/// batches whatever the plan. The ranks along a tensor or pipe axis share each batch; no layout uses such an axis yet
+/// (tensor and pipeline parallelism will), so they hold the same parts and train alike.
 ///
 /// One optimizer steps every part (automatic optimization): each sharded part gives it its pieces in place of its
 /// parameters. Clipping by norm takes the norm over every part (each sharded part's pieces summed along its axis);
@@ -69,13 +70,12 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
 
   ModelParallel() : Base(name) {}
 
-  /// The mesh's axes, outermost first (Mesh's layout; one of them may be -1: what the others leave). One axis or two,
-  /// every one data parallel. Default: `{{"data", -1}}`. Takes effect at the next run's set-up.
+  /// The mesh's axes, outermost first (Mesh's layout; one of them may be -1: what the others leave), each with its role
+  /// (`AxisRole`, default data). Parts are sharded along data axes; the ranks along a tensor or pipe axis share each
+  /// batch (no layout uses those axes yet, so their ranks hold the same parts and train alike). Default:
+  /// `{{"data", -1}}`. Takes effect at the next run's set-up.
   void set_mesh(std::vector<Mesh::Dim> dims) {
-    if (dims.empty() || dims.size() > 2) {
-      throw ConfigError("volt: ModelParallel takes a mesh of one axis or two (each data parallel: sharded along one, "
-                        "replicated along the other), got " + std::to_string(dims.size()) + ".");
-    }
+    if (dims.empty()) throw ConfigError("volt: ModelParallel takes a mesh of one axis or more, got none.");
     dims_ = std::move(dims);
     mesh_world_ = nullptr;
   }
@@ -100,17 +100,21 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
     if (mesh_ && mesh_world_ == &world) return;
     shards_.clear();
     replicas_.reset();
+    data_ = nullptr;
     axes_.clear();
     mesh_.reset();
     mesh_ = std::make_unique<Mesh>(world.axis().group(), dims_);
-    for (const MeshAxis& axis : mesh_->axes()) {
-      if constexpr (std::is_constructible_v<B, B&, const MeshAxis&>) {
-        axes_.push_back(std::make_unique<B>(world, axis));  // NCCL: split from the world's communicator
-      } else {
-        axes_.push_back(std::make_unique<B>(axis, device));
-      }
+    for (const MeshAxis& axis : mesh_->axes()) backend_on(axis, device);
+    data_ = &backend_on(mesh_->data(), device);
+    for (const Mesh::Dim& d : mesh_->dims()) {  // where a part sharded along a data axis is replicated
+      if (const MeshAxis* rest = d.role == AxisRole::data ? mesh_->data_except(d.name) : nullptr) backend_on(*rest, device);
     }
     mesh_world_ = &world;
+  }
+  /// `t` reduced over the data axes (flattened: the ranks whose batches differ), as `sync_dist` reduces logged values.
+  torch::Tensor data_all_reduce(const torch::Tensor& t, Reduce op) {
+    View view(*this, data_backend(), {}, nullptr);
+    return view.all_reduce(t, op);
   }
 
   /// As DDP: the module moved, every rank starting from rank 0's parameters and buffers.
@@ -121,7 +125,8 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
 
   template <class Loader>
   decltype(auto) process_dataloader(Loader&& loader, Stage stage) {
-    return detail::data_parallel_loader(std::forward<Loader>(loader), stage, this->global_rank(), this->world_size(),
+    const MeshAxis& data = mesh().data();  // ranks that differ only along a tensor or pipe axis see the same batches
+    return detail::data_parallel_loader(std::forward<Loader>(loader), stage, data.rank(), data.size(),
                                         /*pad_evaluation=*/!shards_.empty(), name, warned_);
   }
 
@@ -196,12 +201,26 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
     typename Replicated::template Holder<B> holder;
   };
 
-  B& axis_backend(const std::string& axis) {
-    const MeshAxis& a = mesh_->axis(axis);  // throws naming the mesh's axes
-    for (std::size_t k = 0; k < mesh_->axes().size(); ++k) {
-      if (&mesh_->axes()[k] == &a) return *axes_[k];
+  /// The backend on `axis` (a mesh axis, or axes of it flattened): the world's where it holds every rank, else the one
+  /// made for its members, made here at the first call (every rank makes the same ones in the same order: a backend
+  /// may split a communicator over the world).
+  B& backend_on(const MeshAxis& axis, torch::Device device) {
+    if (axis.size() == this->world_size()) return this->backend();
+    for (std::size_t k = 0; k < axes_.size(); ++k) {
+      if (axes_[k].first == axis.members()) return *axes_[k].second;
     }
-    throw std::logic_error("volt: a mesh axis without a backend.");
+    if constexpr (std::is_constructible_v<B, B&, const MeshAxis&>) {
+      axes_.emplace_back(axis.members(), std::make_unique<B>(this->backend(), axis));  // NCCL: split from the world's
+    } else {
+      axes_.emplace_back(axis.members(), std::make_unique<B>(axis, device));
+    }
+    return *axes_.back().second;
+  }
+  /// The backend of `axis`, made at set-up.
+  B& backend_on(const MeshAxis& axis) { return backend_on(axis, this->root_device()); }
+  B& data_backend() {
+    if (data_ == nullptr) throw std::logic_error("volt: ModelParallel's data axes are made at a run's set-up.");
+    return *data_;
   }
   std::string path_of(const torch::nn::Module& module, const torch::nn::Module& part) const;
   void refuse_several(bool saving) const {
@@ -216,7 +235,8 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
   std::vector<Mesh::Dim> dims_{{"data", -1}};
   std::unique_ptr<Mesh> mesh_;
   const B* mesh_world_ = nullptr;
-  std::vector<std::unique_ptr<B>> axes_;  // a backend on each of the mesh's axes
+  std::vector<std::pair<std::vector<int>, std::unique_ptr<B>>> axes_;  // backends made for axes, by their members
+  B* data_ = nullptr;                                                   // on the data axes, flattened
   ModelPlan plan_;
   const torch::nn::Module* planned_module_ = nullptr;
   std::vector<const void*> planned_params_;  // its parameters then (a module at the same address is not the same)
@@ -260,11 +280,14 @@ void ModelParallel<L, B>::apply_plan(torch::nn::Module& module, const ModelPlan&
                         "the mesh (" + mesh_->shape() + ") does not have; name one of its axes, or give the mesh that "
                         "axis with trainer.strategy().set_mesh.");
     }
-    B& along = axis_backend(part.axis);
-    B* across = nullptr;
-    for (std::size_t k = 0; k < axes_.size(); ++k) {
-      if (axes_[k].get() != &along) across = axes_[k].get();
+    if (mesh_->role(part.axis) != AxisRole::data) {
+      throw ConfigError("volt: configure_model shards \"" + where + "\" along the axis \"" + part.axis + "\", whose "
+                        "role is " + role_name(mesh_->role(part.axis)) + " (mesh " + mesh_->shape() + "); a part is "
+                        "sharded along a data axis, whose ranks train on different batches.");
     }
+    B& along = backend_on(mesh_->axis(part.axis));
+    const MeshAxis* rest = mesh_->data_except(part.axis);  // HSDP: the blocks averaged across the other data axes
+    B* across = rest != nullptr ? &backend_on(*rest) : nullptr;
     for (const at::Tensor& p : params) sharded_.insert(p.unsafeGetTensorImpl());
     shards_.push_back(std::unique_ptr<ShardPart>(new ShardPart{
         part.module, where.empty() ? where : where + ".", View(*this, along, std::move(params), across), {}}));
@@ -274,7 +297,7 @@ void ModelParallel<L, B>::apply_plan(torch::nn::Module& module, const ModelPlan&
     if (sharded_.count(p.unsafeGetTensorImpl()) == 0) rest.push_back(p);
   }
   if (!rest.empty()) {
-    View view(*this, this->backend(), std::move(rest), nullptr);
+    View view(*this, data_backend(), std::move(rest), nullptr);  // averaged over the ranks whose batches differ
     replicas_ = std::unique_ptr<ReplicaPart>(new ReplicaPart{std::move(view), {}});
   }
   plan_ = plan;

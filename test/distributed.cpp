@@ -11,6 +11,8 @@
 //                                                     clipping); the optimizer state split across the ranks
 //   distributed collectives                           Mpi's reduce-scatter and all-gather (mpirun, any world size)
 //   distributed mesh                                  volt::Mesh on 4 ranks: collectives, sends and receives on each axis
+//   distributed mesh-roles [refused]                  ModelParallel on 4 ranks, a mesh with a tensor axis: batches and
+//                                                     sync_dist over the data axes (refused: a part along the tensor axis)
 //   distributed mesh-fault die|stall                  on a 2x2 mesh rank 3 dies or stalls during rank 2's receive:
 //                                                     every rank ends with RankFailure naming it
 //   distributed predict <script|spawn> WORLD          predict (gathered, and written by PredictionWriter) and validate
@@ -19,8 +21,9 @@
 //                                                     alive) at step STEP (the job must end: --timeout S for a stall)
 //   distributed zero-inf STAGE                         ZeRO, a scaled loss, an inf on one rank: every rank skips the step
 //   distributed zero-unfreeze                          ZeRO<2> on 2 ranks, a layer unfrozen during the fit: refused
-//   distributed legacy-checkpoint write|resume DIR     checkpoints an earlier volt wrote (test/data/legacy/) resume
-//                                                     under DDP and ZeRO<2> as an uninterrupted run
+//   distributed legacy-checkpoint write|resume DIR [sharded]  checkpoints an earlier volt wrote (test/data/legacy/)
+//                                                     resume under DDP and ZeRO<2> as an uninterrupted run;
+//                                                     `sharded`: its sharded folders too (FSDP, ZeRO<2>)
 //   distributed manual-refusals                        ManualParallel on 2 ranks: a checkpoint refused
 //   distributed manual-weigh-loss                      ManualParallel on 2 ranks, weigh_loss: refused
 //   distributed expect-failure TIMEOUT MESSAGE... [--any-status] -- CMD...  runs CMD, passes if it exits non-zero
@@ -1290,6 +1293,37 @@ int mesh_scenario() {
       check(std::string(e.what()).find(what) != std::string::npos, std::string("the refusal: ") + e.what());
     }
   }
+  // Roles: the data axes flattened are the ranks that share every other coordinate, in world-rank order (row-major
+  // along the data axes), here two data axes with a tensor axis between them; a mesh of data axes only is the world.
+  for (const auto& [dims, sizes] : std::vector<std::pair<std::vector<volt::Mesh::Dim>, std::vector<int>>>{
+           {{{"replicate", 2}, {"tensor", 2, volt::AxisRole::tensor}, {"shard", 1}}, {2, 2, 1}},
+           {{{"pipe", 2, volt::AxisRole::pipe}, {"data", 2}}, {2, 2}},
+           {{{"replicate", 2}, {"shard", 2}}, {2, 2}}}) {
+    volt::Mesh mesh(group, dims);
+    std::vector<int> want;  // written out: the world ranks whose non-data coordinates are this rank's
+    for (int w = 0; w < world; ++w) {
+      std::vector<int> coord_w(sizes.size()), coord_me(sizes.size());
+      for (std::size_t j = sizes.size(), a = static_cast<std::size_t>(w), b = static_cast<std::size_t>(me); j-- > 0;) {
+        coord_w[j] = static_cast<int>(a % static_cast<std::size_t>(sizes[j])), a /= static_cast<std::size_t>(sizes[j]);
+        coord_me[j] = static_cast<int>(b % static_cast<std::size_t>(sizes[j])), b /= static_cast<std::size_t>(sizes[j]);
+      }
+      bool same = true;
+      for (std::size_t k = 0; k < dims.size(); ++k) {
+        if (dims[k].role != volt::AxisRole::data && coord_w[k] != coord_me[k]) same = false;
+      }
+      if (same) want.push_back(w);
+    }
+    const volt::MeshAxis& data = mesh.data();
+    const std::string where = mesh.shape() + ", the data axes, rank " + std::to_string(me);
+    check(data.members() == want && want[static_cast<std::size_t>(data.rank())] == me,
+          where + ": the members are the ranks that share the other coordinates, in rank order");
+    volt::Mpi mpi(data);
+    torch::Tensor t = torch::full({2}, me + 1.0);
+    mpi.all_reduce_(t, volt::Reduce::sum);
+    double sum = 0;
+    for (int m : want) sum += m + 1;
+    check(t.eq(sum).all().item<bool>(), where + ": all-reduce sums them");
+  }
   volt::Mesh mesh(group, {{"data", 2}, {"tensor", 2}});
   try {
     (void)mesh.axis("pipe");
@@ -1660,10 +1694,12 @@ struct SaveAtStep {
 /// Net on 2 ranks under `Strategy` for `steps` optimizer steps (96 samples, shuffled: 12 steps an epoch), resumed from
 /// `from` where given, saved to `save_to` after its last step (inside the fit) where given; its weights.
 template <class Strategy>
-torch::Tensor legacy_run(int64_t steps, const std::string& from, const std::string& save_to) {
+torch::Tensor legacy_run(int64_t steps, const std::string& from, const std::string& save_to,
+                         volt::StateDictType form = volt::StateDictType::full) {
   auto [x, y] = data(96);
   Net net;
   auto trainer = volt::make_trainer<Strategy>({.devices = g_world, .max_steps = steps}, SaveAtStep{steps, save_to});
+  if (form == volt::StateDictType::sharded) trainer.strategy().set_state_dict_type(form);
   trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}),
               volt::NoLoader{}, from);
   return flat(*net);
@@ -1693,14 +1729,21 @@ void check_resumed(const torch::Tensor& resumed, const torch::Tensor& whole, boo
 /// Checkpoints that volt wrote before DDP and ZeRO became one strategy with layouts (test/data/legacy/, written by
 /// `write` at that version, in a folder per LibTorch line, as each line's kernels round alike): `resume` continues each
 /// under today's strategy to 12 steps and must end on the weights of an uninterrupted 12-step run, bit for bit where
-/// this host's first 5 steps give the file's weights exactly (check_resumed).
-int legacy_checkpoint_scenario(const std::string& mode, const std::string& folder) {
+/// this host's first 5 steps give the file's weights exactly (check_resumed). With `sharded`, the folder also holds
+/// sharded checkpoints (a folder each) of FSDP and ZeRO<2> (written from the version that wrote them in flat pieces).
+int legacy_checkpoint_scenario(const std::string& mode, const std::string& folder, bool sharded) {
   const std::string dir = folder + "/torch" + std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
   using DDP = volt::DDP<volt::Script, volt::Mpi>;
   using Zero = volt::ZeRO<2, volt::Script, volt::Mpi>;
+  using Fsdp = volt::FSDP<volt::Script, volt::Mpi>;
+  constexpr auto kSharded = volt::StateDictType::sharded;
   if (mode == "write") {
     legacy_run<DDP>(5, "", dir + "/ddp_world2_step5.ckpt");
     legacy_run<Zero>(5, "", dir + "/zero2_world2_step5.ckpt");
+    if (sharded) {
+      legacy_run<Fsdp>(5, "", dir + "/fsdp_world2_step5_sharded.ckpt", kSharded);
+      legacy_run<Zero>(5, "", dir + "/zero2_world2_step5_sharded.ckpt", kSharded);
+    }
     return 0;
   }
   const torch::Tensor ddp = legacy_run<DDP>(12, dir + "/ddp_world2_step5.ckpt", "");
@@ -1710,7 +1753,18 @@ int legacy_checkpoint_scenario(const std::string& mode, const std::string& folde
   check(!torch::equal(ddp5, ddp_whole), "the 7 steps after the checkpoint change the weights");
   check_resumed(ddp, ddp_whole, torch::equal(ddp5, saved_weights(dir + "/ddp_world2_step5.ckpt")), "DDP");
   check_resumed(zero, zero_whole, torch::equal(zero5, saved_weights(dir + "/zero2_world2_step5.ckpt")), "ZeRO<2>");
-  std::cout << "checkpoints of the earlier version resume under DDP and ZeRO<2> on " << g_world << " ranks" << std::endl;
+  if (sharded) {
+    const std::string fsdp_dir = dir + "/fsdp_world2_step5_sharded.ckpt", zero_dir = dir + "/zero2_world2_step5_sharded.ckpt";
+    check(volt::checkpoint::is_sharded(fsdp_dir) && volt::checkpoint::is_sharded(zero_dir),
+          "the sharded checkpoints are folders of the sharded form");
+    const torch::Tensor fsdp = legacy_run<Fsdp>(12, fsdp_dir, ""), fsdp_whole = legacy_run<Fsdp>(12, "", "");
+    const torch::Tensor fsdp5 = legacy_run<Fsdp>(5, "", "");
+    check_resumed(fsdp, fsdp_whole, torch::equal(fsdp5, saved_weights(fsdp_dir)), "FSDP (sharded form)");
+    check_resumed(legacy_run<Zero>(12, zero_dir, ""), zero_whole, torch::equal(zero5, saved_weights(zero_dir)),
+                  "ZeRO<2> (sharded form)");
+  }
+  std::cout << "checkpoints of the earlier version resume under DDP and ZeRO<2>" << (sharded ? " and, sharded, FSDP" : "")
+            << " on " << g_world << " ranks" << std::endl;
   return failures == 0 ? 0 : 1;
 }
 
@@ -1907,6 +1961,68 @@ int model_parallel_scenario(int world, const std::string& kind) {
   ddp.strategy().barrier();
   if (trainer.is_global_zero()) std::filesystem::remove(path);
   if (failures == 0) std::cout << what << ": equals the reference; its checkpoint resumes under it and DDP" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
+/// HSDP's plan (blocks sharded along "shard", the head replicated) that records the sum of every batch it trains on
+/// and logs its global rank with sync_dist.
+struct RoleNetImpl : PlannedNetImpl {
+  std::vector<double> batch_sums;
+  RoleNetImpl() { kind = "hsdp"; }
+  torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
+    batch_sums.push_back(batch.data.sum().item<double>());
+    ctx.log("rank", torch::scalar_tensor(static_cast<double>(ctx.global_rank())),
+            {.on_step = false, .on_epoch = true, .sync_dist = true});
+    return PlannedNetImpl::training_step(batch, ctx);
+  }
+};
+
+/// ModelParallel on 4 ranks over a mesh of three axes, replicate=1 x shard=2 x tensor=2 with the last of the tensor
+/// role (no layout on it): the ranks of a tensor line (0 and 1, 2 and 3) train on the same batches and those of a data
+/// line on different ones; `sync_dist` averages over the data line only (ranks r % 2 and r % 2 + 2: mean r % 2 + 1,
+/// where the world's would be 1.5); the weights end on the one-process loop over the 2 data ranks' global batches.
+/// `refused`: a part planned along the tensor axis instead, which every rank refuses (expect-failure checks it).
+int mesh_roles_scenario(bool refused) {
+  using MP = volt::ModelParallel<volt::Script, volt::Mpi>;
+  const int64_t n = 96;
+  const int epochs = 2, accumulate = 3;
+  const double clip = 0.05;
+  const volt::TrainerOptions options{.devices = 4, .max_epochs = epochs, .accumulate_grad_batches = accumulate,
+                                     .gradient_clip_val = clip};
+  auto [x, y] = data(n);
+  const std::vector<volt::Mesh::Dim> mesh{{"replicate", 1}, {"shard", 2}, {"tensor", 2, volt::AxisRole::tensor}};
+  if (refused) {
+    struct AlongTensor : FsdpNetImpl {
+      void configure_model(volt::ModelPlan& plan) { plan.shard(blocks, "tensor"); }
+    } along_tensor;
+    auto trainer = volt::make_trainer<MP>(options);
+    trainer.strategy().set_mesh(mesh);
+    trainer.fit(along_tensor, volt::data::TensorLoader(x, y, {.batch_size = kBatch}));
+    std::cerr << "fit returned although a part was planned along the tensor axis" << std::endl;
+    return 3;
+  }
+  RoleNetImpl net;
+  auto trainer = volt::make_trainer<MP>(options);
+  trainer.strategy().set_mesh(mesh);
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}));
+  const int me = trainer.strategy().global_rank();
+  std::ostringstream sums;
+  for (const double v : net.batch_sums) sums << std::hexfloat << v << ' ';
+  const std::vector<std::string> all = trainer.strategy().host_all_gather(sums.str());
+  check(all.size() == 4 && all[0] == all[1] && all[2] == all[3] && !net.batch_sums.empty(),
+        "the ranks along the tensor axis trained on the same batches");
+  check(all.size() == 4 && all[0] != all[2], "the ranks along the data axes trained on different batches");
+  const double logged = trainer.callback_metric_values().at("rank");
+  check(logged == me % 2 + 1, "sync_dist averaged the ranks over the data axes only: " + std::to_string(logged) +
+                                  " on rank " + std::to_string(me) + " (want " + std::to_string(me % 2 + 1) + ")");
+  const torch::Tensor want = zero_reference<FsdpNetImpl>(2, n, epochs, accumulate, clip, /*adam=*/true);
+  const double diff = (flat(net) - want).abs().max().item<double>();
+  check(torch::allclose(flat(net), want, 1e-5, 1e-6), "the weights equal the one-process loop over the 2 data ranks' "
+                                                      "global batches (max diff " + std::to_string(diff) + ")");
+  if (me == 0 && failures == 0) {
+    std::cout << "a mesh of " << trainer.strategy().mesh().shape() << ": batches shared along the tensor axis, "
+              << "sync_dist and gradients over the data axes, max |weights - reference| = " << diff << std::endl;
+  }
   return failures == 0 ? 0 : 1;
 }
 
@@ -2391,8 +2507,10 @@ const Mode kModes[] = {
      [](const std::vector<std::string>& a) { return a.at(1) == "1" ? zero_inf_scenario<1>() : zero_inf_scenario<2>(); }},
     {"zero-unfreeze", ": ZeRO<2> on 2 ranks whose module unfreezes a layer during the fit (refused)",
      [](const std::vector<std::string>&) { return zero_unfreeze_scenario(); }},
-    {"legacy-checkpoint", "write|resume DIR: checkpoints of an earlier volt (test/data/legacy/) resume exactly",
-     [](const std::vector<std::string>& a) { return legacy_checkpoint_scenario(a.at(1), a.at(2)); }},
+    {"legacy-checkpoint", "write|resume DIR [sharded]: checkpoints of an earlier volt (test/data/legacy/) resume exactly",
+     [](const std::vector<std::string>& a) {
+       return legacy_checkpoint_scenario(a.at(1), a.at(2), a.size() > 3 && a.at(3) == "sharded");
+     }},
     {"manual-refusals", ": ManualParallel on 2 ranks refuses a one-file checkpoint",
      [](const std::vector<std::string>&) { return manual_refusals_scenario(); }},
     {"manual-weigh-loss", ": ManualParallel on 2 ranks with a token-weighted loss (refused)",
@@ -2400,6 +2518,9 @@ const Mode kModes[] = {
     {"model-parallel", "world hsdp|two-parts: ModelParallel's parts (FSDP, HSDP, DDP) against a one-process loop, "
                        "its checkpoint resumed",
      [](const std::vector<std::string>& a) { return model_parallel_scenario(std::stoi(a.at(1)), a.at(2)); }},
+    {"mesh-roles", "[refused]: ModelParallel on 4 ranks over replicate=1 x shard=2 x tensor=2 (tensor): batches, "
+                   "sync_dist and gradients over the data axes only; refused: a part planned along the tensor axis",
+     [](const std::vector<std::string>& a) { return mesh_roles_scenario(a.size() > 1 && a.at(1) == "refused"); }},
     {"mesh", ": a 2x2 and a 2x1x2 mesh on 4 ranks, collectives and sends along each axis",
      [](const std::vector<std::string>&) { return mesh_scenario(); }},
     {"mesh-fault", "die|stall: on a 2x2 mesh, rank 3 dies or stalls while rank 2 waits to receive from it",

@@ -79,6 +79,10 @@ volt_distributed_test(dist.legacy_checkpoint.mpirun ${volt_mpirun} ${dist} legac
 # Files of the last commit before the plain pickle and PyTorch's optimizer state_dict (test/data/legacy-4936e33/).
 volt_distributed_test(dist.legacy_checkpoint.4936e33 ${volt_mpirun} ${dist} legacy-checkpoint resume
                       ${CMAKE_CURRENT_SOURCE_DIR}/data/legacy-4936e33)
+# Files of the last commit before the sharded form's pieces became boxes (format 2), sharded folders among them
+# (test/data/legacy-cf3012f/).
+volt_distributed_test(dist.legacy_checkpoint.cf3012f ${volt_mpirun} ${dist} legacy-checkpoint resume
+                      ${CMAKE_CURRENT_SOURCE_DIR}/data/legacy-cf3012f sharded)
 volt_distributed_test(dist.metrics.mixed_options ${dist} expect-failure 30 "was logged with other options" -- ${volt_mpirun} ${dist} metrics-mixed)
 volt_distributed_test(dist.collectives.mpirun3 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} collectives)
 # A process mesh on 4 ranks: collectives and sends along each axis; a peer killed (or stalled) during a receive ends
@@ -251,6 +255,12 @@ volt_torch_python_test(weights.safetensors_python
 # checkpoint resumed under it and DDP; a 1x1 mesh on one rank against SingleDevice; two sharded parts on one axis of 3
 # ranks.
 volt_distributed_test(dist.model_parallel.mpirun4_hsdp ${mpirun4} ${dist} model-parallel 4 hsdp)
+# A mesh of three axes, the third of the tensor role: ranks along it share batches; sync_dist and gradients over the
+# data axes only.
+volt_distributed_test(dist.model_parallel.mpirun4_mesh_roles ${mpirun4} ${dist} mesh-roles)
+volt_distributed_test(dist.model_parallel.tensor_axis_refused ${dist} expect-failure 60
+                      "configure_model shards \"blocks\" along the axis \"tensor\", whose role is tensor"
+                      -- ${mpirun4} ${dist} mesh-roles refused)
 volt_distributed_test(dist.model_parallel.world_one ${dist} model-parallel-world-one)
 volt_distributed_test(dist.model_parallel.weigh_loss_refused ${dist} expect-failure 60 "under ModelParallel, which reduce-scatters each micro-batch" -- ${volt_mpirun} ${dist} model-parallel-weigh-loss)
 volt_distributed_test(dist.model_parallel.mpirun3_two_parts ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} model-parallel 3 two-parts)

@@ -403,6 +403,7 @@ template <class Module>
 void model_parallel(Module&) {
   auto trainer = volt::make_trainer<volt::ModelParallel<volt::Script, volt::Mpi>>({.devices = 4});
   trainer.strategy().set_mesh({{"replicate", 2}, {"shard", 2}});  // default: {{"data", -1}}, one axis of every rank
+  trainer.strategy().set_mesh({{"replicate", 1}, {"shard", 2}, {"tensor", 2, volt::AxisRole::tensor}});
 }
 struct PlannedModule : torch::nn::Module {
   torch::nn::Linear tower{nullptr}, head{nullptr};

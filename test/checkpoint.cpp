@@ -412,6 +412,26 @@ TEST_CASE("sharded checkpoints: n-dimensional pieces, each cut of a tensor read 
                       Contains("has a damaged rank-00001-of-00002.safetensors (the bytes of state_dict.w do not match"));
     expect_error(p, "has a damaged rank-00001-of-00002.safetensors");
   }
+  // An index edited (its checksum stamped again) into what volt does not write is refused in a sentence, not a crash.
+  const auto edited = [&](const std::string& name, const std::function<void(nlohmann::json&)>& change) {
+    const fs::path p = dir / name;
+    fs::remove_all(p);
+    fs::copy(dir / "columns.ckpt", p);
+    std::ifstream in(p / "index.json");
+    nlohmann::json index = nlohmann::json::parse(in);
+    in.close();
+    change(index);
+    index.erase("checksum");
+    index["checksum"] = volt::checkpoint::detail::crc(0, index.dump());
+    std::ofstream(p / "index.json") << index.dump(1);
+    return p;
+  };
+  expect_error(edited("float.ckpt", [](nlohmann::json& i) { i["tensors"]["state_dict.w"]["pieces"][0]["sizes"][1] = 2.5; }),
+               "gives state_dict.w [4,2.5] where a list of integers belongs");
+  expect_error(edited("elsewhere.ckpt", [](nlohmann::json& i) { i["files"][0]["file"] = "../other.safetensors"; }),
+               "lists rank file 0 as");
+  expect_error(edited("no_crc.ckpt", [](nlohmann::json& i) { i["tensors"]["state_dict.w"]["pieces"][1].erase("crc32"); }),
+               "gives a piece of state_dict.w no CRC-32");
 }
 
 TEST_CASE("every input the checkpoint fuzzer kept is refused with a CheckpointError", "[checkpoint][fuzz]") {

@@ -1980,8 +1980,8 @@ struct RoleNetImpl : PlannedNetImpl {
 /// ModelParallel on 4 ranks over a mesh of three axes, replicate=1 x shard=2 x tensor=2 with the last of the tensor
 /// role (no layout on it): the ranks of a tensor line (0 and 1, 2 and 3) train on the same batches and those of a data
 /// line on different ones; `sync_dist` averages over the data line only (ranks r % 2 and r % 2 + 2: mean r % 2 + 1,
-/// where the world's would be 1.5); the weights end on the one-process loop over the 2 data ranks' global batches.
-/// `refused`: a part planned along the tensor axis instead, which every rank refuses (expect-failure checks it).
+/// where the world's would be 1.5); the weights end on the one-process loop over the 2 data ranks' global batches;
+/// predict, every part replicated, returns every batch once, in order. `refused`: a part planned along the tensor axis instead, which every rank refuses (expect-failure checks it).
 int mesh_roles_scenario(bool refused) {
   using MP = volt::ModelParallel<volt::Script, volt::Mpi>;
   const int64_t n = 96;
@@ -2019,6 +2019,22 @@ int mesh_roles_scenario(bool refused) {
   const double diff = (flat(net) - want).abs().max().item<double>();
   check(torch::allclose(flat(net), want, 1e-5, 1e-6), "the weights equal the one-process loop over the 2 data ranks' "
                                                       "global batches (max diff " + std::to_string(diff) + ")");
+  // predict with every part replicated (batches dealt whole, results gathered): each batch once, in the loader's order,
+  // though the ranks of a tensor line predict the same batches
+  struct Replicated : FsdpNetImpl {
+    torch::Tensor predict_step(const torch::data::Example<>& batch, volt::Context&) { return forward(batch.data); }
+  } plain;
+  auto predicting = volt::make_trainer<MP>(options);
+  predicting.strategy().set_mesh(mesh);
+  const std::vector<torch::Tensor> predicted = predicting.predict(plain, volt::data::TensorLoader(x, y, {.batch_size = kBatch}));
+  torch::Tensor whole;
+  {
+    torch::NoGradGuard no_grad;
+    whole = plain.forward(x);
+  }
+  check(predicted.size() == static_cast<std::size_t>(n / kBatch) && torch::allclose(torch::cat(predicted), whole),
+        "predict returns each of the " + std::to_string(n / kBatch) + " batches once, in order (got " +
+            std::to_string(predicted.size()) + ")");
   if (me == 0 && failures == 0) {
     std::cout << "a mesh of " << trainer.strategy().mesh().shape() << ": batches shared along the tensor axis, "
               << "sync_dist and gradients over the data axes, max |weights - reference| = " << diff << std::endl;

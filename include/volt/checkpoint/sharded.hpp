@@ -389,8 +389,26 @@ inline void save_sharded(const std::vector<std::string>& paths, const ShardedSav
 
 namespace detail {
 
+/// The most runs of contiguous elements a box may have (a cut along the last dimension of a [2^26, n] weight).
+inline constexpr int64_t kMaxRuns = int64_t{1} << 26;
+
 [[noreturn]] inline void sharded_fail(const std::string& dir, const std::string& what) {
   throw CheckpointError("volt: the sharded checkpoint " + dir + " " + what);
+}
+
+/// `v` as an integer list (a shape, offsets, sizes), refused where the index holds anything else there.
+inline std::vector<int64_t> ints_of(const nlohmann::json& v, const std::string& name, const std::string& dir) {
+  std::vector<int64_t> out;
+  const bool list = v.is_array() && std::all_of(v.begin(), v.end(), [](const nlohmann::json& e) {
+    return e.is_number_integer();
+  });
+  if (!list) sharded_fail(dir, "gives " + name + " " + v.dump() + " where a list of integers belongs.");
+  for (const auto& e : v) out.push_back(e.get<int64_t>());
+  return out;
+}
+inline int64_t int_of(const nlohmann::json& v, const std::string& name, const std::string& dir) {
+  if (!v.is_number_integer()) sharded_fail(dir, "gives " + name + " " + v.dump() + " where an integer belongs.");
+  return v.get<int64_t>();
 }
 
 /// The elements of tensor `name`'s shape `shape`, refused where no tensor has that shape.
@@ -420,15 +438,23 @@ inline Box inside(Box b, const std::vector<int64_t>& shape, const std::string& n
     sharded_fail(dir, "gives " + name + " (shape " + nlohmann::json(shape).dump() + ") a box that is not inside it: " +
                           shown + ".");
   }
+  int64_t runs = 1;  // runs_of's count: the sizes before the last dimension cut
+  std::size_t m = b.view.empty() ? 0 : b.view.size() - 1;
+  while (m > 0 && b.sizes[m] == b.view[m]) --m;
+  for (std::size_t d = 0; d < m; ++d) runs = std::min<int64_t>(runs * b.sizes[d], kMaxRuns + 1);
+  if (runs > kMaxRuns) {
+    sharded_fail(dir, "gives " + name + " a box of more than " + std::to_string(kMaxRuns) + " separate runs of elements: " +
+                          shown + ".");
+  }
   return b;
 }
 /// Piece `p` of tensor `name` as the index gives it (format 2: a box; format 1: a flat range), checked.
 inline Box box_of(const nlohmann::json& p, const std::vector<int64_t>& shape, const std::string& name,
                   const std::string& dir) {
-  Box b = p.contains("sizes") ? Box{p.value("view", shape), p.at("offsets").get<std::vector<int64_t>>(),
-                                    p.at("sizes").get<std::vector<int64_t>>()}
-                              : Box::flat(numel_of(shape, name, dir), p.at("offset").get<int64_t>(),
-                                          p.at("numel").get<int64_t>());
+  Box b = p.contains("sizes") ? Box{p.contains("view") ? ints_of(p.at("view"), name, dir) : shape,
+                                    ints_of(p.at("offsets"), name, dir), ints_of(p.at("sizes"), name, dir)}
+                              : Box::flat(numel_of(shape, name, dir), int_of(p.at("offset"), name, dir),
+                                          int_of(p.at("numel"), name, dir));
   return inside(std::move(b), shape, name, dir, p.dump());
 }
 
@@ -443,9 +469,19 @@ inline Box box_of(const nlohmann::json& p, const std::vector<int64_t>& shape, co
 class ShardedReader {
  public:
   explicit ShardedReader(std::string dir) : dir_(std::move(dir)) {
-    index_ = read_index();
     try {
-      files_.resize(index_.at("files").size());
+      index_ = read_index();
+      const nlohmann::json& files = index_.at("files");
+      for (std::size_t r = 0; r < files.size(); ++r) {  // checked here: open() and piece() read them
+        const nlohmann::json& f = files.at(r);
+        const std::string want = detail::rank_file_name(static_cast<int>(r), static_cast<int>(files.size()));
+        if (!f.at("file").is_string() || f.at("file").get<std::string>() != want || !f.at("bytes").is_number_unsigned() ||
+            !(version_ == 1 ? f.at("crc32") : f.at("header_crc32")).is_number_unsigned()) {
+          detail::sharded_fail(dir_, "lists rank file " + std::to_string(r) + " as " + f.dump() + "; volt writes " +
+                                         want + " with its size and CRC-32.");
+        }
+      }
+      files_.resize(files.size());
       for (const auto& [name, t] : index_.at("tensors").items()) add_tensor(name, t);
     } catch (const nlohmann::json::exception& e) {
       detail::sharded_fail(dir_, std::string("has an index.json that is not what volt writes (") + e.what() + ").");
@@ -466,6 +502,15 @@ class ShardedReader {
 
   /// Box `box` of tensor `name` (a CPU tensor of the box's sizes and the file's dtype), from the pieces it overlaps.
   at::Tensor read(const std::string& name, const Box& box) {
+    try {
+      return read_box(name, box);
+    } catch (const nlohmann::json::exception& e) {
+      detail::sharded_fail(dir_, std::string("has an index.json that is not what volt writes (") + e.what() + ").");
+    }
+  }
+
+ private:
+  at::Tensor read_box(const std::string& name, const Box& box) {
     const Tensor& t = tensor(name);
     const std::string shown =
         nlohmann::json({{"view", box.view}, {"offsets", box.offsets}, {"sizes", box.sizes}}).dump();
@@ -487,7 +532,6 @@ class ShardedReader {
     return out;
   }
 
- private:
   struct Piece {
     std::size_t file = 0;
     Box box;
@@ -553,15 +597,20 @@ inline nlohmann::json ShardedReader::read_index() {
 /// Tensor `name` of the index, its pieces checked to tile it exactly (no gap, no overlap).
 inline void ShardedReader::add_tensor(const std::string& name, const nlohmann::json& t) {
   Tensor out;
-  out.shape = t.at("shape").get<std::vector<int64_t>>();
+  out.shape = detail::ints_of(t.at("shape"), name, dir_);
   const auto* dtype = t.at("dtype").is_null() ? nullptr : safetensors::detail::find(t.at("dtype").get<std::string>());
   if (dtype == nullptr && !t.at("pieces").empty()) detail::sharded_fail(dir_, "names an unknown dtype for " + name + ".");
   out.dtype = dtype == nullptr ? at::kFloat : dtype->type;
   std::vector<detail::Run> all;
   for (const auto& p : t.at("pieces")) {
-    Piece piece{p.at("file").get<std::size_t>(), detail::box_of(p, out.shape, name, dir_), p.value("crc32", int64_t{-1}), {}};
-    if (piece.file >= files_.size()) detail::sharded_fail(dir_, "puts a piece of " + name + " in a file it does not list.");
-    if (version_ >= 2 && piece.crc < 0) detail::sharded_fail(dir_, "gives a piece of " + name + " no CRC-32.");
+    const int64_t file = detail::int_of(p.at("file"), name, dir_);
+    if (file < 0 || static_cast<std::size_t>(file) >= files_.size()) {
+      detail::sharded_fail(dir_, "puts a piece of " + name + " in a file it does not list.");
+    }
+    const bool crc = p.contains("crc32") && p.at("crc32").is_number_unsigned();
+    if (version_ >= 2 && !crc) detail::sharded_fail(dir_, "gives a piece of " + name + " no CRC-32.");
+    Piece piece{static_cast<std::size_t>(file), detail::box_of(p, out.shape, name, dir_),
+                crc ? static_cast<int64_t>(p.at("crc32").get<uint32_t>()) : int64_t{-1}, {}};
     piece.runs = detail::runs_of(piece.box);
     all.insert(all.end(), piece.runs.begin(), piece.runs.end());
     out.pieces.push_back(std::move(piece));

@@ -147,6 +147,23 @@ class Mesh {
   /// ordered row-major along them; what loaders are split over and `sync_dist` reduces over. With no data axis, this
   /// rank alone.
   const MeshAxis& data() const { return data_; }
+  /// The members of the data line through world rank 0 (every other coordinate 0), in their order along it: the ranks
+  /// whose batches, together, are every batch once.
+  std::vector<int> data_line_of_rank_zero() const {
+    int world = 1;
+    for (const Dim& d : dims_) world *= d.size;
+    std::vector<int> out;
+    for (int w = 0; w < world; ++w) {
+      bool on_line = true;
+      for (std::size_t k = dims_.size(), rest = static_cast<std::size_t>(w); k-- > 0;) {
+        const auto coord = static_cast<int>(rest % static_cast<std::size_t>(dims_[k].size));
+        rest /= static_cast<std::size_t>(dims_[k].size);
+        if (dims_[k].role != AxisRole::data && coord != 0) on_line = false;
+      }
+      if (on_line) out.push_back(w);
+    }
+    return out;
+  }
   /// The data axes but `along` flattened (`along`: one of them): where a part sharded along `along` is replicated
   /// (hybrid sharding averages its blocks across it); null where the mesh has no other data axis.
   const MeshAxis* data_except(std::string_view along) const {

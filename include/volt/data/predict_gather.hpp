@@ -22,6 +22,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/serialize.h>
 
+#include <concepts>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -53,7 +54,25 @@ bool predict_gathers(const L& processed, int world_size) {
   return gathers;
 }
 
-/// Every rank's `mine` (the results of the batches dealt to it), in the one-process batch order, on every rank.
+/// A strategy whose ranks may share batches (a mesh with tensor or pipe axes: ModelParallel) names the world ranks whose
+/// batches are every batch once (`data_line()`); under any other, every rank's batches are its own.
+template <class S>
+concept NamesDataLine = requires(const S& s) {
+  { s.data_line() } -> std::same_as<std::vector<int>>;
+};
+template <class S>
+std::vector<int> data_line(const S& strategy) {
+  if constexpr (NamesDataLine<S>) {
+    return strategy.data_line();
+  } else {
+    std::vector<int> all(static_cast<std::size_t>(strategy.world_size()));
+    for (std::size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+    return all;
+  }
+}
+
+/// Every rank's `mine` (the results of the batches dealt to it), in the one-process batch order, on every rank: the
+/// results of the data line's ranks (`data_line`), interleaved.
 template <class R, class S>
 std::vector<R> gather_dealt_results(std::vector<R>&& mine, S& strategy) {
   c10::impl::GenericList list(c10::AnyType::get());
@@ -68,7 +87,8 @@ std::vector<R> gather_dealt_results(std::vector<R>&& mine, S& strategy) {
   const std::vector<std::string> all = strategy.host_all_gather(std::string(bytes.begin(), bytes.end()));
   std::vector<c10::impl::GenericList> per_rank;
   std::size_t total = 0;
-  for (const std::string& b : all) {
+  for (const int r : data_line(strategy)) {
+    const std::string& b = all.at(static_cast<std::size_t>(r));
     per_rank.push_back(torch::pickle_load(std::vector<char>(b.begin(), b.end())).toList());
     total += per_rank.back().size();
   }

@@ -32,6 +32,7 @@
 /// | `barrier()` | every rank waits for the others |
 /// | `host_max(int) -> int` | the largest value over the ranks, reduced on the host (no device synchronisation): the stop-signal agreement at each training batch |
 /// | `host_all_gather(const std::string&) -> std::vector<std::string>` | every rank's bytes, in rank order, on every rank (predict's gathered results) |
+/// | `data_line() -> std::vector<int>` (optional: `NamesDataLine`, data/predict_gather.hpp) | the world ranks whose batches are every batch once (ModelParallel: the data line through rank zero), whose results predict gathers; absent: every rank |
 /// | `pre_backward(bool sync)`, `post_backward()` | around each backward; `sync` is true on the micro-batch that steps |
 /// | `setup_optimizer(torch::optim::Optimizer&)` | at each fit's start, once per optimizer `configure_optimizers` returned (ZeRO gives it this rank's pieces) |
 /// | `zero_grad(torch::optim::Optimizer&)` | the gradients an optimizer steps, cleared (automatic optimization; a manual step's `opt.zero_grad()`) |

@@ -111,6 +111,9 @@ class ModelParallel : public detail::ProcessGroupStrategy<L, B> {
     }
     mesh_world_ = &world;
   }
+  /// The world ranks whose batches are every batch once (the data line through rank zero), whose results predict
+  /// gathers (data/predict_gather.hpp); the ranks along a tensor or pipe axis predict the same batches.
+  std::vector<int> data_line() const { return mesh().data_line_of_rank_zero(); }
   /// `t` reduced over the data axes (flattened: the ranks whose batches differ), as `sync_dist` reduces logged values.
   torch::Tensor data_all_reduce(const torch::Tensor& t, Reduce op) {
     View view(*this, data_backend(), {}, nullptr);

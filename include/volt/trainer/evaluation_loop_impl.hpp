@@ -155,7 +155,7 @@ std::vector<R> Trainer<S, P, A, Cs...>::run_predict(Impl& module, L& loader, boo
   setup_run(module);
   state_.stage = Stage::predict;
   decltype(auto) processed = strategy_.process_dataloader(loader, Stage::predict);
-  const bool gathers = keep && detail::predict_gathers<R>(processed, strategy_.world_size());
+  const bool gathers = keep && detail::predict_gathers<R>(processed, static_cast<int>(detail::data_line(strategy_).size()));
   const int64_t n = options_.limit_predict_batches.resolve(detail::loader_size(processed), "limit_predict_batches");
   num_eval_batches_ = n;
   if constexpr (requires { processed.batch_indices(int64_t{}); }) {

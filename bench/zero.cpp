@@ -126,7 +126,9 @@ Figures run(const Config& c, bool reshard = true) {
   for (const auto& p : model->parameters()) parameters += p.numel();
   auto trainer = volt::make_trainer<S>({.devices = c.devices, .max_epochs = 1}, Probe{c.warmup});
   const auto bucket = static_cast<std::size_t>(c.bucket_mb) << 20;
-  trainer.strategy().set_bucket_bytes(std::min<std::size_t>(bucket, std::size_t{1} << 20), bucket);
+  if constexpr (requires { trainer.strategy().set_bucket_bytes(bucket, bucket); }) {  // FSDP's buckets are its units
+    trainer.strategy().set_bucket_bytes(std::min<std::size_t>(bucket, std::size_t{1} << 20), bucket);
+  }
   if constexpr (requires { trainer.strategy().set_reshard_after_forward(reshard); }) {
     trainer.strategy().set_reshard_after_forward(reshard);
   }

@@ -1517,7 +1517,7 @@ int fsdp_gpt_scenario(int world, bool reshard) {
   TinyGpt m(config);
   auto trainer = volt::make_trainer<volt::FSDP<volt::Script, volt::Mpi>>(
       {.devices = world / g_nodes, .num_nodes = g_nodes, .max_epochs = 10, .max_steps = steps});
-  trainer.strategy().set_reshard_after_forward(reshard);
+  trainer.strategy().layout() = volt::FullySharded{.reshard_after_forward = reshard};  // the layout as a value
   trainer.fit(m, volt::data::TensorLoader(tokens, tokens, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}));
   const torch::Tensor every = trainer.strategy().all_gather(flat(*m));
   check(torch::equal(std::get<0>(every.min(0)), std::get<0>(every.max(0))), "every rank ends with the same weights");

@@ -12,6 +12,7 @@
 /// A Context is not tied to the Trainer's type, so modules stay plain classes.
 
 #include "volt/metric_store.hpp"
+#include "volt/roles.hpp"
 #include "volt/errors.hpp"
 #include "volt/options.hpp"
 #include "volt/stage.hpp"
@@ -56,12 +57,24 @@ struct Collectives {
   virtual int global_rank() const = 0;
 };
 
-/// A strategy whose ranks may share batches (a mesh with tensor or pipe axes: ModelParallel) and so reduces over its
-/// data ranks only where that is asked (`data_all_reduce`); under any other, every rank's batches differ.
-template <class S>
-concept ReducesOverDataRanks = requires(S& s, const torch::Tensor& t) {
-  { s.data_all_reduce(t, Reduce::sum) } -> std::same_as<torch::Tensor>;
+}  // namespace detail
+
+namespace role {
+/// A strategy whose ranks may share batches (a mesh with tensor or pipe axes), declared in its `volt_roles`
+/// (volt/roles.hpp): `data_all_reduce(const torch::Tensor&, Reduce) -> torch::Tensor`, a reduced copy over the ranks
+/// whose batches differ, which `sync_dist` reduces logged values over (default: `all_reduce`); and
+/// `data_line() const -> std::vector<int>`, the world ranks whose batches are every batch once, whose results predict
+/// gathers (data/predict_gather.hpp; default: every rank).
+struct shares_batches {
+  template <class S>
+  static constexpr bool met = requires(S& s, const S& cs, const torch::Tensor& t) {
+    { s.data_all_reduce(t, Reduce::sum) } -> std::same_as<torch::Tensor>;
+    { cs.data_line() } -> std::same_as<std::vector<int>>;
+  };
 };
+}  // namespace role
+
+namespace detail {
 
 /// Collectives of a strategy `S` (every strategy has them: strategies/concept.hpp).
 template <class S>
@@ -70,7 +83,7 @@ class StrategyCollectives final : public Collectives {
   explicit StrategyCollectives(S* strategy) : s_(strategy) {}
   torch::Tensor all_reduce(const torch::Tensor& t, Reduce op) override { return s_->all_reduce(t, op); }
   torch::Tensor sync_all_reduce(const torch::Tensor& t, Reduce op) override {
-    if constexpr (ReducesOverDataRanks<S>) {
+    if constexpr (declares_role<S, role::shares_batches>) {
       return s_->data_all_reduce(t, op);
     } else {
       return s_->all_reduce(t, op);

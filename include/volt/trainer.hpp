@@ -61,14 +61,14 @@ namespace volt {
 
 template <class S = SingleDevice, class P = Fp32, class A = CPU, class... Callbacks>
 class Trainer {
-  // Phase (a): each slot holds its kind, then the rules between slots, each said alone (volt/rules.hpp).
-  using checked_ = detail::CheckedSlots<S, P, A>;
+  using checked_ = detail::CheckedSlots<S, P, A>;  // phase (a): each slot its kind, then the rules between slots (rules.hpp)
   static_assert((Callback<Callbacks> && ...), "volt: every callback must be a movable object type.");
   static_assert((detail::check_logger<Callbacks>() && ...));  // a logger's hooks take what volt passes (loggers/concept.hpp)
 
  public:
   /// The strategy as it runs on this accelerator (DDP<Spawn> with its backend resolved).
   using strategy_type = typename checked_::strategy;
+  static_assert(detail::check_strategy_roles<strategy_type>());  // its optional roles (strategies/concept.hpp)
   using precision_type = typename checked_::precision;
   using accelerator_type = typename checked_::accelerator;
   using callback_tuple = std::tuple<Callbacks...>;

@@ -12,7 +12,7 @@
 # fails on an include running back up.
 
 set(floors
-  "detail errors version batch seed stage reduce declared_hooks"  # 0  the ground: no volt header below them
+  "detail errors version batch seed stage reduce declared_hooks roles"  # 0  the ground: no volt header below them
   "options metric_store checkpoint"                         # 1  settings, logged values, the file formats (checkpoint, safetensors)
   "context cluster weights units model_plan config"         # 2  what a module's steps are handed; the job's hosts; weights into modules; its units and parts; configuration files and flags
   "module comm data precision optim accelerators activation_checkpoint"  # 3  policies' rooms, each alone

@@ -14,6 +14,7 @@
 /// one-process order (fewer where the loader ends first).
 
 #include "volt/batch.hpp"
+#include "volt/context.hpp"
 #include "volt/data/concept.hpp"
 #include "volt/errors.hpp"
 
@@ -54,15 +55,11 @@ bool predict_gathers(const L& processed, int world_size) {
   return gathers;
 }
 
-/// A strategy whose ranks may share batches (a mesh with tensor or pipe axes: ModelParallel) names the world ranks whose
-/// batches are every batch once (`data_line()`); under any other, every rank's batches are its own.
-template <class S>
-concept NamesDataLine = requires(const S& s) {
-  { s.data_line() } -> std::same_as<std::vector<int>>;
-};
+/// The world ranks whose batches are every batch once: those a strategy of `role::shares_batches` (volt/context.hpp)
+/// names; under any other, every rank.
 template <class S>
 std::vector<int> data_line(const S& strategy) {
-  if constexpr (NamesDataLine<S>) {
+  if constexpr (declares_role<S, role::shares_batches>) {
     return strategy.data_line();
   } else {
     std::vector<int> all(static_cast<std::size_t>(strategy.world_size()));

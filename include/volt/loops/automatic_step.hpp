@@ -118,13 +118,13 @@ class AutomaticStep {
   /// ModelParallel part sharded) has reduce-scattered by then where it syncs every micro-batch.
   void refuse_sharded_window() {
     using S = std::remove_reference_t<decltype(p_.strategy)>;
-    if constexpr (requires { p_.strategy.scatters_each_micro_batch(); }) {
+    if constexpr (declares_role<S, role::scatters_micro_batches>) {
       if (p_.strategy.scatters_each_micro_batch()) {
         throw ConfigError(std::string("volt: weigh_loss with accumulate_grad_batches > 1 under ") + S::name +
                           ", which reduce-scatters each micro-batch's sharded gradients as it ends, before the "
-                          "window's units are all known; under FSDP call trainer.strategy()."
-                          "set_sync_every_micro_batch(false) to accumulate them locally, as DDP (ModelParallel's "
-                          "sharded parts cannot yet: replicate them, or weigh without accumulation).");
+                          "window's units are all known; call trainer.strategy()."
+                          "set_sync_every_micro_batch(false) to accumulate them locally, as DDP, or weigh without "
+                          "accumulation.");
       }
     }
   }

@@ -9,6 +9,7 @@
 /// |---|---|
 /// | `static constexpr bool is_distributed` | more than one process may take part |
 /// | `static constexpr const char* name` | for messages |
+/// | `static constexpr bool shards_optimizer_state` | the strategy steps each rank's shard of the optimizer's state itself (ZeRO, FSDP, ModelParallel): rules.hpp refuses manual optimization and asks for an agreed inf check |
 /// | `static constexpr bool averages_gradients` | the strategy averages the module's gradients over the ranks (a world of one trivially; ManualParallel: false, they are the module's business), so a token-weighted loss (`Context::weigh_loss`) can be weighed across ranks |
 /// | `using backend_type` | the collective backend (`Mpi`, `Nccl`, `AutoBackend`), or `void` for none; rules.hpp checks it against the accelerator |
 /// | `template <class A> using with_accelerator` (optional) | the strategy the Trainer runs on accelerator `A` (DDP resolves `AutoBackend` there); absent: the strategy itself |
@@ -17,7 +18,6 @@
 /// | `launch(body, transfer&) -> body's result` | the same for `fit`; `transfer` packs rank 0's result where it is computed and unpacks it in the calling process (Spawn), see detail/fit_transfer.hpp |
 /// | `setup_environment(torch::Device)` | process group, device selection (lazy: phase (c)) |
 /// | `setup_module(torch::nn::Module&)` | places the module (and broadcasts it, in data parallelism) |
-/// | `apply_plan(torch::nn::Module&, const ModelPlan&)` (optional) | after `setup_module`, what the module's `configure_model` planned (volt/model_plan.hpp): ModelParallel lays its parts out; absent: the plan is not read |
 /// | `set_compute_dtype(std::optional<torch::Dtype>)` | after it, the precision's `compute_dtype`: FSDP gathers the parameters in it for each forward |
 /// | `process_dataloader(loader, Stage) -> loader` | shards, wraps or returns the loader as it is |
 /// | `module_state(const torch::nn::Module&, bool on_device) -> c10::Dict<std::string, at::Tensor>` | collective: the module's whole state (parameters and buffers by dotted name) for rank zero's checkpoint, empty on the other ranks; throws a `CheckpointError` where one file cannot hold the model (ManualParallel on several ranks); `on_device`: the tensors left where they are |
@@ -25,14 +25,12 @@
 /// | `global_rank()`, `local_rank()`, `world_size()`, `is_global_zero()` | this process's place |
 /// | `root_device() -> torch::Device` | where batches go |
 /// | `all_reduce(const torch::Tensor&, Reduce) -> torch::Tensor` | a reduced copy across ranks |
-/// | `data_all_reduce(const torch::Tensor&, Reduce) -> torch::Tensor` (optional: `ReducesOverDataRanks`, volt/context.hpp) | a reduced copy across the ranks whose batches differ (ModelParallel: the mesh's data axes), what `sync_dist` reduces logged values over; absent: `all_reduce` |
 /// | `all_gather(const torch::Tensor&) -> torch::Tensor` | every rank's tensor stacked along a new first dimension |
 /// | `broadcast_(const torch::Tensor&, int root)` | rank `root`'s tensor copied in place on every rank |
 /// | `reduce_boolean_decision(bool, bool all) -> bool` | all ranks agree (all: every rank true; else any) |
 /// | `barrier()` | every rank waits for the others |
 /// | `host_max(int) -> int` | the largest value over the ranks, reduced on the host (no device synchronisation): the stop-signal agreement at each training batch |
 /// | `host_all_gather(const std::string&) -> std::vector<std::string>` | every rank's bytes, in rank order, on every rank (predict's gathered results) |
-/// | `data_line() -> std::vector<int>` (optional: `NamesDataLine`, data/predict_gather.hpp) | the world ranks whose batches are every batch once (ModelParallel: the data line through rank zero), whose results predict gathers; absent: every rank |
 /// | `pre_backward(bool sync)`, `post_backward()` | around each backward; `sync` is true on the micro-batch that steps |
 /// | `setup_optimizer(torch::optim::Optimizer&)` | at each fit's start, once per optimizer `configure_optimizers` returned (ZeRO gives it this rank's pieces) |
 /// | `zero_grad(torch::optim::Optimizer&)` | the gradients an optimizer steps, cleared (automatic optimization; a manual step's `opt.zero_grad()`) |
@@ -43,14 +41,27 @@
 /// | `forward_scope(Stage) -> ForwardScope` | held around each call of a step that runs the module's forward (training_step, validation_step, ...): FSDP gathers the root unit there |
 /// | `finish_fit()` | after a fit that completed, before teardown (FSDP gathers the parameters back into the module) |
 /// | `teardown()` | after a fit, also one that failed (validate, test and predict have none: they change nothing a fit set up) |
-/// | `state_dict_type() -> StateDictType` (optional) | `sharded`: checkpoints as a folder of every rank's pieces (checkpoint/sharded.hpp), with `state_slices() -> std::vector<checkpoint::Slice>` (what this rank writes of the parameters) and `full_param_groups(torch::optim::Optimizer&)` (its groups in the layout of an unsharded run); absent: `full` |
-/// | `window_gradient(std::size_t j) -> at::Tensor` (optional) | collective: parameter `j`'s gradients of a running accumulation window where they are not in its `.grad` (FSDP), for a checkpoint |
+///
+/// And the optional roles (volt/roles.hpp), each called where the strategy declares it in its `volt_roles` and
+/// defaulted where it does not; a role declared and not met, or met and not declared, is a compile error naming it:
+///
+/// | role | members | default |
+/// |---|---|---|
+/// | `role::plans_parts` | `apply_plan(torch::nn::Module&, const ModelPlan&)`: after `setup_module`, what the module's `configure_model` planned (volt/model_plan.hpp) | the plan is not read |
+/// | `role::writes_shards` | `state_dict_type() const -> StateDictType`; `state_slices() const -> std::vector<checkpoint::Slice>` (what this rank writes of the parameters); `full_param_groups(torch::optim::Optimizer&) -> std::vector<std::vector<at::Tensor>>` (its groups in the layout of an unsharded run) | checkpoints in the full form |
+/// | `role::keeps_window_gradients` | `window_gradient(std::size_t j) -> at::Tensor`: collective, parameter `j`'s gradients of a running accumulation window where they are not in its `.grad` (FSDP), for a checkpoint | the `.grad` |
+/// | `role::scatters_micro_batches` | `scatters_each_micro_batch() const -> bool`: each micro-batch's gradients are reduce-scattered as it ends (FSDP), which `Context::weigh_loss` with accumulation cannot follow | false |
+/// | `role::shares_batches` (volt/context.hpp) | `data_all_reduce(const torch::Tensor&, Reduce) -> torch::Tensor` (what `sync_dist` reduces over) and `data_line() const -> std::vector<int>` (whose results predict gathers): ranks that share batches (a mesh's tensor or pipe axes) | `all_reduce`; every rank |
 ///
 /// Writing your own: derive from `StrategyDefaults` (a world of one with no gradient work: its collectives
 /// are identities, the backward hooks and teardown no-ops, no backend) and write the rest; copy `SingleDevice`
 /// for a start. The phases (a), (b), (c) are defined in volt/rules.hpp.
 
 #include "volt/checkpoint.hpp"
+#include "volt/checkpoint/sharded.hpp"
+#include "volt/context.hpp"
+#include "volt/model_plan.hpp"
+#include "volt/roles.hpp"
 #include "volt/reduce.hpp"
 #include "volt/stage.hpp"
 #include "volt/detail/fit_transfer.hpp"
@@ -113,6 +124,7 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
   { S::is_distributed } -> std::convertible_to<bool>;
   { S::name } -> std::convertible_to<const char*>;
   { S::averages_gradients } -> std::convertible_to<bool>;
+  { S::shards_optimizer_state } -> std::convertible_to<bool>;
   typename S::backend_type;
   s.check_devices(options, 1, "CPU");
   s.launch(detail::ProbeBody{});
@@ -150,7 +162,53 @@ concept Strategy = requires(S& s, const S& cs, const TrainerOptions& options, to
 namespace detail {
 /// Whether strategy `S` shards the optimizer's state (ZeRO): it then steps the optimizer itself, automatically.
 template <class S>
-inline constexpr bool shards_optimizer_state = requires { requires S::shards_optimizer_state; };
+inline constexpr bool shards_optimizer_state = S::shards_optimizer_state;
+}  // namespace detail
+
+namespace role {
+/// The strategy reads the module's plan of parts: `apply_plan(torch::nn::Module&, const ModelPlan&)`.
+struct plans_parts {
+  template <class S>
+  static constexpr bool met = requires(S& s, torch::nn::Module& m, const ModelPlan& plan) { s.apply_plan(m, plan); };
+};
+/// The strategy may write the sharded checkpoint form (checkpoint/sharded.hpp): `state_dict_type() const`,
+/// `state_slices() const`, `full_param_groups(torch::optim::Optimizer&)`.
+struct writes_shards {
+  template <class S>
+  static constexpr bool met = requires(S& s, const S& cs, torch::optim::Optimizer& o) {
+    { cs.state_dict_type() } -> std::same_as<StateDictType>;
+    { cs.state_slices() } -> std::same_as<std::vector<checkpoint::Slice>>;
+    { s.full_param_groups(o) } -> std::same_as<std::vector<std::vector<at::Tensor>>>;
+  };
+};
+/// The strategy keeps a running accumulation window's gradients outside `.grad`: `window_gradient(std::size_t)`.
+struct keeps_window_gradients {
+  template <class S>
+  static constexpr bool met = requires(S& s) {
+    { s.window_gradient(std::size_t{0}) } -> std::same_as<at::Tensor>;
+  };
+};
+/// The strategy reduce-scatters each micro-batch's gradients as it ends: `scatters_each_micro_batch() const`.
+struct scatters_micro_batches {
+  template <class S>
+  static constexpr bool met = requires(const S& s) {
+    { s.scatters_each_micro_batch() } -> std::same_as<bool>;
+  };
+};
+}  // namespace role
+
+namespace detail {
+/// Every optional role of strategy `S` checked (a compile error naming the role where one is declared and not met, or
+/// met and not declared); the Trainer checks it where it is made.
+template <class S>
+constexpr bool check_strategy_roles() {
+  VOLT_DETAIL_CHECK_ROLE(plans_parts, "strategy", S, S);
+  VOLT_DETAIL_CHECK_ROLE(writes_shards, "strategy", S, S);
+  VOLT_DETAIL_CHECK_ROLE(keeps_window_gradients, "strategy", S, S);
+  VOLT_DETAIL_CHECK_ROLE(scatters_micro_batches, "strategy", S, S);
+  VOLT_DETAIL_CHECK_ROLE(shares_batches, "strategy", S, S);
+  return true;
+}
 }  // namespace detail
 
 /// The members a strategy without processes or gradient work shares: one rank's collectives, no backend,
@@ -158,6 +216,7 @@ inline constexpr bool shards_optimizer_state = requires { requires S::shards_opt
 struct StrategyDefaults {
   using backend_type = void;
   static constexpr bool averages_gradients = true;
+  static constexpr bool shards_optimizer_state = false;
 
   /// A world of one: the module's state (checkpoint::module_state).
   c10::Dict<std::string, at::Tensor> module_state(const torch::nn::Module& module, bool on_device) {

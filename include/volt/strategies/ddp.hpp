@@ -20,7 +20,7 @@
 ///   volt::Trainer<volt::DDP<volt::Script, volt::Mpi>, volt::Fp32, volt::CPU> cpu({.devices = 2});
 /// \endcode
 
-#include "volt/strategies/data_parallel.hpp"
+#include "volt/strategies/parallel.hpp"
 #include "volt/strategies/replicated.hpp"
 
 namespace volt {

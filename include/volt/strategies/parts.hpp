@@ -1,8 +1,7 @@
 #pragma once
 /// \file
-/// What `ModelParallel` (strategies/model_parallel.hpp) composes its parts with: the view of the strategy that each
-/// part's layout holder takes (`PartView`), the runtime that hands each unit to its part's scheduler (`PartRouter`),
-/// and the gradient norm summed part by part along each part's axis (`PartNorms`).
+/// What `Parallel` (strategies/parallel.hpp) composes its parts with: the runtime that hands each unit to its part's
+/// scheduler (`PartRouter`), and the gradient norm summed part by part along each part's axis (`PartNorms`).
 
 #include "volt/comm/concept.hpp"
 #include "volt/errors.hpp"
@@ -21,39 +20,6 @@
 #include <vector>
 
 namespace volt::detail {
-
-/// One part of a `ModelParallel` as a layout's holder sees a strategy (strategies/replicated.hpp): the part's
-/// parameters, the backend of the axis it is sharded along (or the world's), its rank and size there, and (HSDP) the
-/// backend of the axis it is replicated along.
-template <class S, class B>
-class PartView {
- public:
-  PartView(S& strategy, B& backend, std::vector<at::Tensor> params, B* replicas)
-      : s_(&strategy), backend_(&backend), params_(std::move(params)), replicas_(replicas) {}
-  B& backend() const { return *backend_; }
-  int world_size() const { return backend_->size(); }
-  int global_rank() const { return backend_->rank(); }
-  bool is_global_zero() const { return s_->is_global_zero(); }
-  torch::Device root_device() const { return s_->root_device(); }
-  at::Tensor all_reduce(const at::Tensor& t, Reduce op) const {
-    const bool fits = t.is_cpu() ? backend_traits<B>::supports_cpu : backend_traits<B>::supports_cuda;
-    at::Tensor r = (fits ? t : t.to(root_device())).detach().clone();
-    backend_->all_reduce_(r, op);
-    return r.to(t.device());
-  }
-  const std::vector<at::Tensor>& module_parameters() const { return params_; }
-  std::pair<std::size_t, std::size_t> bucket_bytes() const { return {kFirstBucketBytes, kBucketBytes}; }
-  bool reshard_after_forward() const { return s_->reshard_after_forward(); }
-  std::optional<torch::Dtype> compute_dtype() const { return s_->compute_dtype(); }
-  bool sync_every_micro_batch() const { return true; }
-  B* replicas() const { return replicas_; }
-
- private:
-  S* s_;
-  B* backend_;
-  std::vector<at::Tensor> params_;
-  B* replicas_;
-};
 
 /// Routes each unit a model runs (volt/units.hpp) to the sharded part that holds its parameters; a unit of no sharded
 /// part runs as a plain call. Installed for the time the parts hold their units sharded.

@@ -3,7 +3,7 @@
 /// `volt::Sharded<Stage>`: the layouts of `DataParallel` in which the optimizer state is sharded across ranks (stage 1)
 /// and the gradients too (stage 2), as DeepSpeed's ZeRO stages 1 and 2 (arXiv:1910.02054); `ZeRO<Stage>` is the
 /// strategy (strategies/zero.hpp, which says what it does for a user). A layout's shape is in
-/// strategies/replicated.hpp.
+/// strategies/layout.hpp.
 ///
 /// At a fit's start (`setup_optimizer`, after `configure_optimizers`) the parameters that require gradients are laid
 /// out in the reducer's buckets, each padded to a multiple of the world size W, each parameter a view into its
@@ -22,6 +22,7 @@
 #include "volt/strategies/reducer.hpp"
 #include "volt/strategies/shard_layout.hpp"
 #include "volt/strategies/concept.hpp"
+#include "volt/strategies/layout.hpp"
 #include "volt/checkpoint/optimizer_state.hpp"
 
 #include <torch/optim/optimizer.h>
@@ -60,17 +61,18 @@ class ShardedHolder {
                         "already holds state. Load state through fit(..., ckpt_path) instead.");
     }
     params_ = g.module_parameters();
-    const auto [first, others] = g.bucket_bytes();
     if constexpr (Stage == 3) {  // the first forward runs whole and records the units (unit_reducer, lay_out)
-      units_ = std::make_unique<UnitScheduler<B>>(g.backend(), g.reshard_after_forward());
+      units_ = std::make_unique<UnitScheduler<B>>(g.backend(), g.layout().reshard_after_forward);
       optimizer_ = &optimizer;
       compute_dtype_ = g.compute_dtype();
-      sync_every_micro_batch_ = g.sync_every_micro_batch();
+      sync_every_micro_batch_ = g.layout().sync_every_micro_batch;
       full_params_[&optimizer] = param_lists(optimizer);
       return;
+    } else {
+      reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), g.layout().first_bucket_bytes,
+                                              g.layout().bucket_bytes,
+                                              Stage == 1 ? GradSync::reduce_scatter : GradSync::reduce_scatter_to_blocks);
     }
-    reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), first, others,
-                                            Stage == 1 ? GradSync::reduce_scatter : GradSync::reduce_scatter_to_blocks);
     shards_ = std::make_unique<ShardLayout>(reducer_->buckets(), params_, g.global_rank(), g.world_size());
     std::vector<std::vector<at::Tensor>> full;
     for (auto& group : optimizer.param_groups()) {
@@ -82,7 +84,7 @@ class ShardedHolder {
 
   /// The pieces' gradients and the module's.
   template <class G>
-  void zero_grad(G& /*strategy*/, torch::optim::Optimizer& optimizer) {
+  void zero_grad(G& /*part*/, torch::optim::Optimizer& optimizer) {
     detail::zero_grad(optimizer);
     detail::zero_grad(params_, /*keep_tensors=*/false);
     window_started_ = false;
@@ -92,7 +94,7 @@ class ShardedHolder {
   /// reduce-scattered, the window's first replacing the blocks and the others added to them, so that no rank ever holds
   /// the unsharded gradients of a window (FSDP2's default; off: they accumulate in `.grad` until the last, as DDP).
   template <class G>
-  void pre_backward(G& /*strategy*/, bool sync) {
+  void pre_backward(G& /*part*/, bool sync) {
     if (!reducer_) {
       throw std::logic_error("volt: a sharded (ZeRO, FSDP) backward ran before its buckets were laid out (FSDP: a backward "
                              "without a training forward before it).");
@@ -111,14 +113,10 @@ class ShardedHolder {
   template <class G>
   void post_backward(G& g) {
     reducer_->finish();
-    if constexpr (requires { g.replicas(); }) {  // HSDP: the blocks averaged across the part's replicas too
-      if (synced_ && g.replicas() != nullptr) {
-        std::vector<typename B::Work> works;
-        for (const at::Tensor& block : reducer_->blocks()) {
-          works.push_back(g.replicas()->iall_reduce_(block, Reduce::mean));
-        }
-        for (auto& w : works) w.wait();
-      }
+    if (synced_ && g.replicas() != nullptr) {  // HSDP: the blocks averaged across the part's replicas too
+      std::vector<typename B::Work> works;
+      for (const at::Tensor& block : reducer_->blocks()) works.push_back(g.replicas()->iall_reduce_(block, Reduce::mean));
+      for (auto& w : works) w.wait();
     }
     if (units_) units_->end_backward();
     if constexpr (Stage == 3) {
@@ -141,44 +139,31 @@ class ShardedHolder {
     }
   }
 
-  /// Clips this rank's pieces' gradients (detail::clip_gradients): by value elementwise, by norm with the norm over
-  /// every rank's pieces (the module's parameters, given, hold no gradients between a synchronised backward and the
-  /// step).
+  /// After the optimizer stepped this rank's pieces (every rank agreed on a loss-scaled step's inf check first):
+  /// stages 1 and 2 gather the parameters; stage 3 gathers each unit where it runs.
   template <class G>
-  void clip_gradients(G& g, const std::vector<at::Tensor>& module_params, double value, ClipAlgorithm algorithm) {
-    if (!shards_) return detail::clip_gradients(module_params, value, algorithm);
-    std::vector<at::Tensor> pieces;
-    for (const ShardPiece& piece : shards_->pieces()) pieces.push_back(piece.tensor);
-    detail::clip_gradients(pieces, value, algorithm, NormOverRanks<G>{&g, squares_dtype(module_params)});
+  void after_step(G& g) {
+    if constexpr (Stage < 3) gather_parameters(g);
   }
 
-  /// Every rank agrees on a loss-scaled step's inf check, steps its pieces, then gathers the parameters.
-  template <class G, class P>
-  bool optimizer_step(G& g, P& precision, torch::optim::Optimizer& optimizer) {
-    precision.agree_found_inf(optimizer, [&](at::Tensor& found) { g.backend().all_reduce_(found, Reduce::max); });
-    const bool stepped = precision.optimizer_step(optimizer);
-    if (stepped && Stage < 3) gather_parameters(g);  // stage 3: each unit is gathered where it runs
-    return stepped;
-  }
-
-  /// Stage 3: the root unit gathered for a forward (the units as they run: strategies/fully_sharded.hpp).
-  template <class G>
-  ForwardScope forward_scope(G& g, volt::Stage stage) {
-    if (!units_) return ForwardScope();
-    begin_forward(stage);
-    return ForwardScope([this, &g](bool backward_follows) { end_forward(g, backward_follows); });
-  }
-  /// Stage 3: `forward_scope`'s two halves, for a strategy that holds several sharded parts (ModelParallel).
-  void begin_forward(volt::Stage stage) {
+  /// Stage 3: a forward starts (the root unit gathered: strategies/fully_sharded.hpp) and ends.
+  void begin_forward(volt::Stage stage)
+    requires(Stage == 3)
+  {
     if (units_) units_->begin_forward(stage);
   }
   template <class G>
+    requires(Stage == 3)
   void end_forward(G& g, bool backward_follows) {
     if (units_ && units_->end_forward(backward_follows)) unit_reducer(g);
   }
-  /// Stage 3, during a fit: what gathers and frees the units (a strategy with several sharded parts routes each unit
-  /// to its part's).
-  UnitRuntime* units() const { return units_.get(); }
+  /// Stage 3, during a fit: what gathers and frees the units (a strategy with several parts routes each unit to its
+  /// part's); null outside a fit.
+  UnitRuntime* units() const
+    requires(Stage == 3)
+  {
+    return units_.get();
+  }
   /// The tensors the optimizer steps for the laid-out parameters: this rank's pieces (none before the layout).
   std::vector<at::Tensor> piece_tensors() const {
     std::vector<at::Tensor> out;
@@ -191,6 +176,7 @@ class ShardedHolder {
   /// parameters and this rank's pieces (which keep the optimizer's state, for a save after the fit) then lie, as under
   /// ZeRO<1>; the shards and the gradient blocks are dropped, so the module whole costs no more than ZeRO<1> holds.
   template <class G>
+    requires(Stage == 3)
   void finish_fit(G& g) {
     if (!units_ || !shards_) return;
     units_->release_all();
@@ -208,8 +194,9 @@ class ShardedHolder {
   /// rank then keeps as its own accumulated gradient (resumed on any layout, each rank adds its next micro-batches'
   /// to it and the ranks' average ends on the window's); undefined where the module's `.grad` holds them (as DDP's).
   template <class G>
+    requires(Stage == 3)
   at::Tensor window_gradient(G& g, std::size_t j) const {
-    if (Stage < 3 || !shards_ || whole_ || !sync_every_micro_batch_ || !window_started_) return at::Tensor();
+    if (!shards_ || whole_ || !sync_every_micro_batch_ || !window_started_) return at::Tensor();
     const auto& where = shards_->location(j);
     if (!where.laid_out) return at::Tensor();
     const at::Tensor whole = gathered(g, where.bucket, reducer_->blocks()[where.bucket]);
@@ -217,9 +204,11 @@ class ShardedHolder {
   }
   /// Stage 3: the module's state gathered unit by unit onto rank zero (empty elsewhere); whole after the fit.
   template <class G>
+    requires(Stage == 3)
   c10::Dict<std::string, at::Tensor> module_state(G& g, const torch::nn::Module& module, bool on_device);
   /// Stage 3: each rank's shards cut from the whole state `state` (its buffers and unsharded parameters copied).
   template <class G>
+    requires(Stage == 3)
   void load_module_state(G& g, torch::nn::Module& module, const checkpoint::Dict& state);
 
   /// What this rank writes into a sharded checkpoint: its pieces (float32 shards under FSDP's bfloat16 gathers), and a
@@ -258,7 +247,7 @@ class ShardedHolder {
   /// Loads an optimizer archive in any run's layout (unsharded, or gathered by this strategy on any world size) and
   /// keeps this rank's pieces of it. On any failure the optimizer keeps its previous state.
   template <class G>
-  void load_optimizer_state(G& /*strategy*/, torch::optim::Optimizer& optimizer, const at::Tensor& bytes,
+  void load_optimizer_state(G& /*part*/, torch::optim::Optimizer& optimizer, const at::Tensor& bytes,
                             const std::string& path) {
     const auto full = full_params_.find(&optimizer);
     if (!shards_ || full == full_params_.end()) return checkpoint::load_optimizer_state(optimizer, bytes, path);
@@ -274,7 +263,9 @@ class ShardedHolder {
   std::size_t gradient_bytes() const { return reducer_ ? reducer_->gradient_bytes() : 0; }
   /// Bytes of parameters this rank holds now, counted through the layout: the buckets that hold their storage (stage 3:
   /// the units gathered), the shards (stage 3) and the parameters left out of the layout; before a layout, all.
-  std::size_t parameter_bytes() const {
+  std::size_t parameter_bytes() const
+    requires(Stage == 3)
+  {
     std::size_t bytes = 0;
     for (std::size_t j = 0; j < params_.size(); ++j) {
       if (!shards_ || whole_ || !shards_->location(j).laid_out) bytes += bytes_of(params_[j]);
@@ -392,20 +383,6 @@ class ShardedHolder {
   void load_cut(torch::optim::Optimizer& optimizer, const Lists& full, const at::Tensor& bytes, const std::string& path);
   template <class Codec>
   States cut_states(torch::optim::Optimizer& optimizer, const std::string& path);
-
-  /// The total norm of every rank's pieces: each rank's squares summed in float32 across ranks (clip_gradients).
-  template <class G>
-  struct NormOverRanks {
-    static constexpr bool coefficient_in_grad_dtype = true;
-    G* g;
-    at::ScalarType dtype;  // the squares' (squares_dtype: the same on every rank)
-    at::Tensor operator()(const std::vector<at::Tensor>& norms) const {
-      at::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(dtype).device(g->root_device()));
-      for (const auto& n : norms) squares += n.to(dtype).square().to(squares.device());
-      g->backend().all_reduce_(squares, Reduce::sum);
-      return squares.sqrt();
-    }
-  };
 
   std::vector<at::Tensor> params_;  // the module's, at the fit's start
   // stage 3: the memory units are gathered into and their gradients reduce-scattered from (on the heap: the reducer
@@ -587,9 +564,10 @@ void ShardedHolder<Stage, B>::lay_out(G& g, torch::optim::Optimizer& optimizer) 
 
 template <int Stage, class B>
 template <class G>
+  requires(Stage == 3)
 c10::Dict<std::string, at::Tensor> ShardedHolder<Stage, B>::module_state(G& g, const torch::nn::Module& module,
                                                                          bool on_device) {
-  if (!shards_ || whole_ || Stage < 3) {
+  if (!shards_ || whole_) {
     return g.is_global_zero() ? checkpoint::module_state(module, on_device) : c10::Dict<std::string, at::Tensor>();
   }
   std::vector<at::Tensor> whole(params_.size());
@@ -616,9 +594,10 @@ c10::Dict<std::string, at::Tensor> ShardedHolder<Stage, B>::module_state(G& g, c
 
 template <int Stage, class B>
 template <class G>
-void ShardedHolder<Stage, B>::load_module_state(G& /*strategy*/, torch::nn::Module& module,
+  requires(Stage == 3)
+void ShardedHolder<Stage, B>::load_module_state(G& /*part*/, torch::nn::Module& module,
                                                 const checkpoint::Dict& state) {
-  if (!shards_ || whole_ || Stage < 3) return checkpoint::load_module_state(module, state);
+  if (!shards_ || whole_) return checkpoint::load_module_state(module, state);
   units_->release_all();
   torch::NoGradGuard no_grad;
   std::size_t j = 0;
@@ -638,15 +617,42 @@ void ShardedHolder<Stage, B>::load_module_state(G& /*strategy*/, torch::nn::Modu
 
 }  // namespace detail
 
-/// The optimizer state sharded across ranks (stage 1), the gradients too (stage 2), the parameters too (stage 3): ZeRO.
+/// The optimizer state sharded across ranks (stage 1), the gradients too (stage 2): ZeRO. A layout (strategies/layout.hpp)
+/// with its options: `ZeRO<2>`'s default part is `Sharded<2>{}`, and `trainer.strategy().layout()` is it.
 template <int Stage>
 struct Sharded {
   static_assert(Stage >= 1 && Stage <= 3, "volt: ZeRO<Stage, ...> takes stage 1 (the optimizer state sharded), 2 (the "
                                           "gradients too) or 3 (the parameters too: FSDP).");
   static constexpr int stage = Stage;
-  static constexpr const char* name = Stage == 1 ? "ZeRO<1>" : Stage == 2 ? "ZeRO<2>" : "FSDP";
+  static constexpr const char* name = Stage == 1 ? "ZeRO<1>" : "ZeRO<2>";
+  using volt_roles = Roles<role::steps_pieces>;
+  /// The gradient buckets' sizes in bytes (PyTorch's defaults: 1 MiB for the first bucket, 25 MiB for the rest).
+  std::size_t first_bucket_bytes = detail::kFirstBucketBytes;
+  std::size_t bucket_bytes = detail::kBucketBytes;
   template <class Backend>
   using Holder = detail::ShardedHolder<Stage, Backend>;
 };
+
+/// The parameters sharded too: FSDP (`FullySharded`), each unit's gathered where it runs (strategies/fully_sharded.hpp)
+/// and its gradients reduce-scattered into this rank's shards as its backward ends; the buckets are the units.
+template <>
+struct Sharded<3> {
+  static constexpr int stage = 3;
+  static constexpr const char* name = "FSDP";
+  using volt_roles = Roles<role::steps_pieces, role::gathers_units>;
+  /// Whether a unit's parameters are freed after its forward (default) or kept until its backward (more memory, one
+  /// all-gather fewer per unit and step).
+  bool reshard_after_forward = true;
+  /// Whether every micro-batch of an accumulation window has its gradients reduce-scattered into this rank's shards
+  /// (default: no rank holds a window's unsharded gradients, at one reduce-scatter per unit and micro-batch), or only
+  /// the last, the others accumulating in the module's `.grad` as DDP's do (needed by `Context::weigh_loss` with
+  /// accumulation). FSDP2's `set_requires_gradient_sync`.
+  bool sync_every_micro_batch = true;
+  template <class Backend>
+  using Holder = detail::ShardedHolder<3, Backend>;
+};
+
+/// FSDP's layout.
+using FullySharded = Sharded<3>;
 
 }  // namespace volt

@@ -33,7 +33,7 @@
 ///   volt::Trainer<volt::ZeRO<1, volt::Script, volt::Mpi>, volt::Fp32, volt::CPU> cpu({.devices = 2});
 /// \endcode
 
-#include "volt/strategies/data_parallel.hpp"
+#include "volt/strategies/parallel.hpp"
 #include "volt/strategies/sharded.hpp"
 
 namespace volt {
@@ -44,6 +44,6 @@ using ZeRO = DataParallel<Sharded<Stage>, L, B>;
 /// Fully sharded data parallelism: `ZeRO<3>`, the parameters sharded too, gathered unit by unit where the model runs
 /// its units (volt/units.hpp; strategies/fully_sharded.hpp says when each is gathered and freed).
 template <class L = Script, class B = AutoBackend>
-using FSDP = DataParallel<Sharded<3>, L, B>;
+using FSDP = DataParallel<FullySharded, L, B>;
 
 }  // namespace volt

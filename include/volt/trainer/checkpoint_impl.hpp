@@ -73,7 +73,7 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
     throw std::invalid_argument("volt: save_checkpoint needs a file path; got an empty string.");
   }
   bool sharded = false;
-  if constexpr (requires { strategy_.state_dict_type(); }) sharded = strategy_.state_dict_type() == StateDictType::sharded;
+  if constexpr (declares_role<strategy_type, role::writes_shards>) sharded = strategy_.state_dict_type() == StateDictType::sharded;
   if (sharded && options.safetensors) {
     throw ConfigError("volt: a weights file beside each checkpoint (ModelCheckpoint's save_safetensors) needs the "
                       "full checkpoint form, and the strategy writes sharded ones; drop one of the two.");
@@ -86,7 +86,7 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
   std::vector<at::Tensor> optimizers;
   for (auto& o : optim_) {
     if (options.weights_only) break;
-    if constexpr (requires { strategy_.full_param_groups(o.optimizer()); }) {
+    if constexpr (declares_role<strategy_type, role::writes_shards>) {
       if (sharded && detail::has_state_codec(o.optimizer())) {
         optimizers.push_back(strategy_.is_global_zero()
                                  ? checkpoint::optimizer_skeleton(o.optimizer(), strategy_.full_param_groups(o.optimizer()))
@@ -117,7 +117,7 @@ void Trainer<S, P, A, Cs...>::save_checkpoint(const std::vector<std::string>& pa
       };
     }
   }
-  if constexpr (requires { strategy_.state_slices(); }) {
+  if constexpr (declares_role<strategy_type, role::writes_shards>) {
     if (sharded) {
       writer_.wait();  // files land in the order they were saved
       checkpoint::ShardedSave s = detail::sharded_save_of(strategy_, *module_, params_, optim_, options.weights_only);
@@ -155,7 +155,7 @@ checkpoint::Dict Trainer<S, P, A, Cs...>::checkpoint_contents(checkpoint::Dict d
     if (progress_.keeps_grads || (progress_.in_train_batch && progress_.mid_window)) {
       for (std::size_t j = 0; j < params_.size(); ++j) {
         at::Tensor g = params_[j].grad();
-        if constexpr (requires { strategy_.window_gradient(j); }) {
+        if constexpr (declares_role<strategy_type, role::keeps_window_gradients>) {
           if (at::Tensor w = strategy_.window_gradient(j); w.defined()) g = std::move(w);
         }
         const at::Tensor defined = gather_ranks(torch::tensor({g.defined() ? 1 : 0}, torch::kUInt8)).flatten();

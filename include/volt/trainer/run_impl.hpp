@@ -122,7 +122,7 @@ void Trainer<S, P, A, Cs...>::setup_run(Impl& module) {
   ModelPlan plan;
   Context ctx(state_, train_store_);
   hook<detail::hooks::configure_model>(module, ctx, plan);
-  if constexpr (requires { strategy_.apply_plan(module, plan); }) strategy_.apply_plan(module, plan);
+  if constexpr (declares_role<strategy_type, role::plans_parts>) strategy_.apply_plan(module, plan);
   strategy_.set_compute_dtype(detail::compute_dtype_of<precision_type>);
   precision_.convert_module(module);
 }

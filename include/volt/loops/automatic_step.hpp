@@ -10,6 +10,7 @@
 #include "volt/errors.hpp"
 #include "volt/loops/hooks.hpp"
 #include "volt/loops/step_parts.hpp"
+#include "volt/strategies/concept.hpp"
 
 #include <torch/types.h>
 

@@ -419,6 +419,8 @@ struct FsdpNetImpl : torch::nn::Module {
   volt::ActivationCheckpointing which;
   int64_t most_gathered = 0;  // the most blocks gathered at once while one ran forward with gradients, once laid out
   bool laid_out = false;      // set between steps once the first optimizer step was taken
+  int declare = 0;            // configure_model declares the units: 1 as they run, 2 with blocks 0 and 1 swapped
+  int64_t first_most_gathered = 0;  // the most blocks gathered at once while one ran forward, before laid_out
   std::set<std::string> dtypes;  // of the blocks' weights as they ran forward with gradients, once laid out
   std::function<void(const char*)> probe = [](const char*) {};  // "forward", "backward": as a block runs, once laid out
   FsdpNetImpl() {
@@ -431,7 +433,12 @@ struct FsdpNetImpl : torch::nn::Module {
       FsdpBlock block(widths[i], widths[i + 1]);
       block->on_forward = [this, me = block.get()] {
         if (!torch::GradMode::is_enabled()) return;
-        if (!laid_out) return probe("first forward");
+        if (!laid_out) {
+          int64_t held = 0;
+          for (const auto& b : *blocks) held += b->parameters().front().storage().nbytes() > 0 ? 1 : 0;
+          first_most_gathered = std::max(first_most_gathered, held);
+          return probe("first forward");
+        }
         int64_t held = 0;
         for (const auto& b : *blocks) held += b->parameters().front().storage().nbytes() > 0 ? 1 : 0;
         most_gathered = std::max(most_gathered, held);
@@ -447,6 +454,13 @@ struct FsdpNetImpl : torch::nn::Module {
     auto h = volt::sharded_call(act, first(x));
     h = volt::forward_blocks<FsdpBlockImpl>(blocks, h, volt::Units{}, which);
     return head(h);
+  }
+  /// The units in the order forward runs them (`declare` 1; 2: blocks 0 and 1 the other way round).
+  void configure_model(volt::ModelPlan& plan) {
+    if (declare == 0) return;
+    plan.unit(act);
+    if (declare == 2) plan.unit(*blocks[1]), plan.unit(*blocks[0]);
+    for (std::size_t i = declare == 2 ? 2 : 0; i < blocks->size(); ++i) plan.unit(*blocks[i]);
   }
   torch::Tensor training_step(const torch::data::Example<>& batch, volt::Context& ctx) {
     if (ctx.batch_idx() == ZeroNetImpl::kSkipped) return {};
@@ -809,6 +823,36 @@ int fsdp_scenario(int world, bool reshard, bool checkpointing) {
               std::to_string(want_val) + ")");
   }
   if constexpr (std::is_same_v<L, volt::Script>) check_fsdp_rank(trainer, net, held, counts, world, reshard, what);
+  return failures == 0 ? 0 : 1;
+}
+
+/// FSDP of a module that declares its units (configure_model): the parameters are laid out as the fit starts, so its
+/// first step runs sharded as every later one (at most 2 blocks gathered while one runs: its own and the next's), and
+/// the weights end on the one-process loop's (accumulation 3, clipping). `swapped_on`: that rank declares two blocks
+/// the other way round, which every rank refuses before any step.
+int fsdp_declared_scenario(int world, int swapped_on) {
+  const int64_t n = 96;
+  const int epochs = 2, accumulate = 3;
+  const double clip = 0.05;
+  auto [x, y] = data(n);
+  FsdpNetImpl net;
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  net.declare = rank != nullptr && std::atoi(rank) == swapped_on ? 2 : 1;
+  auto trainer = volt::make_trainer<volt::FSDP<volt::Script, volt::Mpi>>(
+      {.devices = world / g_nodes, .num_nodes = g_nodes, .max_epochs = epochs, .accumulate_grad_batches = accumulate,
+       .gradient_clip_val = clip});
+  trainer.fit(net, volt::data::TensorLoader(x, y, {.batch_size = kBatch, .shuffle = true, .seed = kSeed}));
+  const std::string what = "FSDP of declared units on " + std::to_string(world) + " ranks";
+  check(net.first_most_gathered >= 1 && net.first_most_gathered <= 2,
+        what + ": from the first step on at most 2 blocks gathered while one ran (saw " +
+            std::to_string(net.first_most_gathered) + " of 5)");
+  if (trainer.is_global_zero()) {
+    const torch::Tensor want = zero_reference<FsdpNetImpl>(world, n, epochs, accumulate, clip, /*adam=*/true);
+    const double diff = (flat(net) - want).abs().max().item<double>();
+    std::cout << what << ": max |weights - reference| = " << diff << std::endl;
+    check(torch::allclose(flat(net), want, 1e-5, 1e-6), what + ": weights equal the one-process reference (max diff " +
+                                                            std::to_string(diff) + ")");
+  }
   return failures == 0 ? 0 : 1;
 }
 
@@ -2515,6 +2559,11 @@ const Mode kModes[] = {
        }
        return spawn_given(a) ? fsdp_scenario<volt::Spawn, volt::Fp32>(world, reshard, checkpointing)
                              : fsdp_scenario<volt::Script, volt::Fp32>(world, reshard, checkpointing);
+     }},
+    {"fsdp-declared", "world [swapped-on-rank]: FSDP of a module that declares its units in configure_model (laid out "
+                      "at the fit's start) against a one-process loop; a rank that declares another order: refused",
+     [](const std::vector<std::string>& a) {
+       return fsdp_declared_scenario(std::stoi(a.at(1)), a.size() > 2 ? std::stoi(a.at(2)) : -1);
      }},
     {"fsdp-gpt", "world reshard|keep: a small GPT (examples/gpt_model.hpp) under FSDP for 10 AdamW steps against one "
                  "process",

@@ -116,6 +116,13 @@ volt_distributed_test(dist.fsdp.mpirun3_keep_bf16 ${VOLT_MPIEXEC} --allow-run-as
 volt_distributed_test(dist.fsdp.mpirun2_delayed ${volt_mpirun} -x VOLT_COLLECTIVE_DELAY_US=3000 ${dist} fsdp script 2 reshard)
 volt_distributed_test(dist.fsdp.mpirun4_delayed_bf16 ${mpirun4} -x VOLT_COLLECTIVE_DELAY_US=2000 ${dist} fsdp script 4 keep bf16)
 volt_distributed_test(dist.fsdp.gpt_mpirun2 ${volt_mpirun} ${dist} fsdp-gpt 2 reshard)
+# Units declared in configure_model: laid out as the fit starts (the first step sharded), at 3 ranks (no unit divides);
+# a rank declaring another order refused on every rank, naming the call, the units and the ranks.
+volt_distributed_test(dist.fsdp.declared_mpirun3 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp-declared 3)
+volt_distributed_test(dist.fsdp.declared_order_refused ${dist} expect-failure 60
+  "on rank 0: volt: the ranks declared different units in configure_model: declared unit 2 is unit 0 on ranks 0 and 2 and unit 1 on rank 1"
+  "on rank 1: volt: the ranks declared different units in configure_model: declared unit 2 is unit 0 on ranks 0 and 2 and unit 1 on rank 1"
+  -- ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp-declared 3 1)
 # FSDP at world size 1 against SingleDevice (Bf16Mixed), its sharded checkpoint against its full file (gpu.fsdp on the
 # CPU)
 volt_distributed_test(dist.fsdp.world_one ${dist} fsdp-world-one)

@@ -13,7 +13,7 @@
 /// | a unit | the parameters of the module called (its submodules' included) that require gradients when the fit's first step runs; what no unit holds is the root unit, gathered when a step's forward starts and kept to the end of its backward |
 /// | under another strategy | a plain call: the same model runs under DDP, ZeRO<1|2> or on one device |
 /// | outputs | a tensor, a `std::tuple` of tensors or a `std::vector<at::Tensor>` (as `activation_checkpoint`'s) |
-/// | order | the first training step records the order in which units run; later steps must run them in that order (the next unit's gather starts while one runs, and every rank must issue the same gathers), else a `ConfigError` says which unit came instead of which |
+/// | order | declared in `configure_model` (`plan.units(blocks)`, `plan.unit(m)`: volt/model_plan.hpp), the parameters are laid out in the units as the fit starts and its first step runs sharded; undeclared, the first training step runs whole and records the order; every step must run them in that order (the next unit's gather starts while one runs, and every rank must issue the same gathers), else a `ConfigError` says which unit came instead of which |
 /// | refused | a parameter in two units (a module called as a unit inside another unit, or a shared submodule): tie them into one unit |
 ///
 /// `detail::UnitRuntime` is what a strategy that shards parameters installs for the time it holds them sharded; with

@@ -116,6 +116,15 @@ class UnitScheduler final : public UnitRuntime {
     return order_buckets(params, claimed, units, std::move(members));
   }
 
+  /// The units as `configure_model` declared them (volt/model_plan.hpp), in the order the forward runs them: they are
+  /// the trace, so that `groups()` lays the parameters out before the fit's first step, which then runs sharded and is
+  /// checked against them as every later step is.
+  void declare(const std::vector<const torch::nn::Module*>& units) {
+    trace_ = units;
+    trace_done_ = true;
+    declared_ = true;
+  }
+
   /// The layout made from `groups()`'s buckets: from now on units are gathered and freed.
   void attach(ShardLayout& layout) {
     layout_ = &layout;
@@ -144,9 +153,9 @@ class UnitScheduler final : public UnitRuntime {
   /// Backward starts: every recorded unit must have run.
   void begin_backward() {
     if (layout_ != nullptr && phase_ == Phase::forward && position_ != sequence_.size()) {
-      throw ConfigError("volt: this step's forward ran " + std::to_string(position_) + " units where the fit's first "
-                        "step ran " + std::to_string(sequence_.size()) + "; a fully sharded model runs the same units "
-                        "in every step.");
+      throw ConfigError("volt: this step's forward ran " + std::to_string(position_) + " units where " + reference() +
+                        " " + std::to_string(sequence_.size()) + "; a fully sharded model runs the same units in every "
+                        "step.");
     }
     phase_ = Phase::backward;
   }
@@ -223,6 +232,8 @@ class UnitScheduler final : public UnitRuntime {
       number_[m] = first < 0 ? -1 : std::lower_bound(firsts.begin(), firsts.end(), first) - firsts.begin();
     }
   }
+  /// What a step's units are checked against: "configure_model declared", or "the fit's first step ran".
+  std::string reference() const { return declared_ ? "configure_model declared" : "the fit's first step ran"; }
   /// "unit 3 (a BlockImpl)", or "a unit without parameters (a Tanh)".
   std::string describe(const torch::nn::Module* m) const {
     const auto it = number_.find(m);
@@ -250,6 +261,7 @@ class UnitScheduler final : public UnitRuntime {
   std::vector<char> travelling_;
   Phase phase_ = Phase::idle;
   bool trace_done_ = false;
+  bool declared_ = false;  // the trace is configure_model's declaration
   std::size_t position_ = 0;
 };
 
@@ -302,9 +314,11 @@ void UnitScheduler<B>::agree_on_trace(Reduce_&& reduce, int rank, int size) {
     said += (i == 0 ? "" : i + 1 == ran.size() ? " and " : ", ") + what(ran[i].first) + " on rank" +
             (ran[i].second.size() > 1 ? "s " : " ") + ranks;
   }
-  throw ConfigError("volt: the ranks ran different units in the fit's first step: unit call " + std::to_string(at) +
-                    " ran " + said + " (units numbered in the model's order); a fully sharded model must run the "
-                    "same units in the same order on every rank.");
+  throw ConfigError(std::string("volt: the ranks ") + (declared_ ? "declared" : "ran") + " different units " +
+                    (declared_ ? "in configure_model: declared unit " : "in the fit's first step: unit call ") +
+                    std::to_string(at) + (declared_ ? " is " : " ran ") + said +
+                    " (units numbered in the model's order); a fully sharded model must run the same units in the "
+                    "same order on every rank.");
 }
 
 /// Units with parameters become buckets in the reverse of their first run, in that order; the root last.
@@ -346,15 +360,16 @@ int64_t UnitScheduler<B>::enter(const torch::nn::Module& unit) {
   }
   const auto it = bucket_of_module_.find(&unit);
   if (it == bucket_of_module_.end()) {
-    throw ConfigError("volt: a " + unit.name() + " ran as a unit that did not run in the fit's first step; a fully "
-                      "sharded model runs the same units in every step.");
+    throw ConfigError("volt: a " + unit.name() + " ran as a unit that " +
+                      (declared_ ? "configure_model did not declare" : "did not run in the fit's first step") +
+                      "; a fully sharded model runs the same units in every step.");
   }
   if (phase_ == Phase::forward && at::GradMode::is_enabled()) {
     const std::size_t bucket = it->second < 0 ? SIZE_MAX : static_cast<std::size_t>(it->second);
     if (position_ >= sequence_.size() || sequence_[position_] != bucket) {
       const std::string first = position_ < trace_.size() ? describe(trace_[position_]) : "no unit";
       throw ConfigError("volt: unit call " + std::to_string(position_ + 1) + " of this step ran " + describe(&unit) +
-                        ", where the fit's first step ran " + first + " (of " + std::to_string(sequence_.size()) +
+                        ", where " + reference() + " " + first + " (of " + std::to_string(sequence_.size()) +
                         " calls); a fully sharded model runs its units in the same order in every step.");
     }
     const std::size_t position = position_++;

@@ -61,7 +61,7 @@ struct RunPlace {
 
 /// One part of the module as its layout's holder sees it: its parameters, the backend of the axis it is sharded (or
 /// replicated) along and its rank and size there, the backend of the axes it is replicated across where it is sharded
-/// (HSDP; else null), and its layout's options. The host owns what it points to.
+/// (HSDP; else null), the units declared in it, and its layout's options. The host owns what it points to.
 template <class B, class Layout>
 class PartGroup {
  public:
@@ -76,6 +76,9 @@ class PartGroup {
   const Layout& layout() const { return *layout_; }
   B* replicas() const { return replicas_; }
   const std::vector<at::Tensor>& module_parameters() const { return params_; }
+  /// The units `configure_model` declared in this part, in the order the forward runs them (empty: none declared).
+  const std::vector<const torch::nn::Module*>& units() const { return units_; }
+  void set_units(std::vector<const torch::nn::Module*> units) { units_ = std::move(units); }
   /// A reduced copy of `t` along the part's axis.
   at::Tensor all_reduce(const at::Tensor& t, Reduce op) const {
     const bool fits = t.is_cpu() ? backend_traits<B>::supports_cpu : backend_traits<B>::supports_cuda;
@@ -88,6 +91,7 @@ class PartGroup {
   B* along_;
   B* replicas_;
   std::vector<at::Tensor> params_;
+  std::vector<const torch::nn::Module*> units_;
   const Layout* layout_;
   const RunPlace* place_;
 };

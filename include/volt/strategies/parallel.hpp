@@ -70,11 +70,8 @@ class Parallel : public detail::ProcessGroupStrategy<L, B> {
   static constexpr const char* name = plans ? "ModelParallel" : layout_type::name;
   /// Whether a part steps this rank's pieces (rules.hpp: no manual optimization, agreed inf checks).
   static constexpr bool shards_optimizer_state = ((Layouts::stage > 0) || ...);
-  using volt_roles = std::conditional_t<
-      plans,
-      Roles<role::plans_parts, role::writes_shards, role::keeps_window_gradients, role::scatters_micro_batches,
-            role::shares_batches>,
-      Roles<role::writes_shards, role::keeps_window_gradients, role::scatters_micro_batches, role::shares_batches>>;
+  using volt_roles = Roles<role::plans_parts, role::writes_shards, role::keeps_window_gradients,
+                           role::scatters_micro_batches, role::shares_batches>;
   template <class A>
   using with_accelerator = Parallel<L, resolve_backend_t<B, A>, Layouts...>;
 
@@ -135,18 +132,12 @@ class Parallel : public detail::ProcessGroupStrategy<L, B> {
   StateDictType state_dict_type() const { return state_dict_type_; }
 
   void setup_environment(torch::Device device);
-  /// The module moved, every rank starting from rank 0's parameters and buffers; a strategy of one layout makes its
-  /// one part (kept while the module is the same, so that a run after a fit sees the layout the fit left).
-  void setup_module(torch::nn::Module& module) {
-    this->replicate_from_rank_zero(module);
-    if constexpr (!plans) assign(module, ModelPlan());
-  }
-  /// ModelParallel: the parts of `module` as its configure_model's `plan` names them (kept as `setup_module` keeps).
-  void apply_plan(torch::nn::Module& module, const ModelPlan& plan)
-    requires plans
-  {
-    assign(module, plan);
-  }
+  /// The module moved, every rank starting from rank 0's parameters and buffers.
+  void setup_module(torch::nn::Module& module) { this->replicate_from_rank_zero(module); }
+  /// The parts of `module` as its configure_model's `plan` names them (ModelParallel; a strategy of one layout holds
+  /// the module as one part and reads only the plan's units), kept while the plan and the module are the same, so that
+  /// a run after a fit sees the layout the fit left.
+  void apply_plan(torch::nn::Module& module, const ModelPlan& plan) { assign(module, plan); }
   template <class Loader>
   decltype(auto) process_dataloader(Loader&& loader, Stage stage) {
     const MeshAxis& data = mesh().data();  // ranks that differ only along a tensor or pipe axis see the same batches
@@ -287,6 +278,7 @@ class Parallel : public detail::ProcessGroupStrategy<L, B> {
   void assign(torch::nn::Module& module, const ModelPlan& plan);
   void add_default_part(torch::nn::Module& module, std::vector<at::Tensor> rest,
                         const std::unordered_map<const void*, std::size_t>& index);
+  void assign_units(const ModelPlan& plan, const std::unordered_map<const void*, std::size_t>& index);
   template <class T>
   void add_part(torch::nn::Module* module, const std::string& where, std::vector<at::Tensor> params,
                 const std::unordered_map<const void*, std::size_t>& index, const MeshAxis& along,

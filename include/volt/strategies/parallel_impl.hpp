@@ -97,6 +97,7 @@ void Parallel<L, B, Ls...>::assign(torch::nn::Module& module, const ModelPlan& p
     if (where_[j].first == nullptr) rest.push_back(params[j]);
   }
   if (!rest.empty()) add_default_part(module, std::move(rest), index);
+  assign_units(plan, index);
   plan_ = plan;
   planned_params_ = std::move(ids);
   module_ = &module;
@@ -146,6 +147,34 @@ void Parallel<L, B, Ls...>::add_part(torch::nn::Module* module, const std::strin
     where_[j] = {part.get(), k};
   }
   parts_.push_back(std::move(part));
+}
+
+/// Each unit `plan` declares handed to the sharded part that holds its parameters, in the declared order (a unit of
+/// another part is that part's business: a replicated part runs its units as plain calls); a unit without parameters
+/// to the one sharded part where there is one part (with several, the router runs such a unit as a plain call).
+template <class L, class B, class... Ls>
+void Parallel<L, B, Ls...>::assign_units(const ModelPlan& plan,
+                                         const std::unordered_map<const void*, std::size_t>& index) {
+  std::unordered_map<const Part*, std::vector<const torch::nn::Module*>> units;
+  for (const torch::nn::Module* unit : plan.declared_units()) {
+    const Part* owner = nullptr;
+    bool first = true;
+    for (const at::Tensor& p : unit->parameters(/*recurse=*/true)) {
+      const auto it = index.find(p.unsafeGetTensorImpl());
+      const Part* part = it == index.end() ? nullptr : where_[it->second].first;
+      if (!first && part != owner) {
+        throw ConfigError("volt: configure_model declared a " + unit->name() + " as a unit, and it holds parameters of "
+                          "two parts; a unit lies inside one part.");
+      }
+      owner = part;
+      first = false;
+    }
+    if (owner == nullptr && first && parts_.size() == 1) owner = parts_.front().get();
+    if (owner != nullptr) units[owner].push_back(unit);
+  }
+  for (const auto& part : parts_) {
+    each_of<role::gathers_units>(*part, [&](auto& h) { h.group.set_units(units[part.get()]); });
+  }
 }
 
 /// The dotted name of `part` in `module` ("" for the module itself); refused where it is not inside it.

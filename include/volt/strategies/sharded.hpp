@@ -61,12 +61,17 @@ class ShardedHolder {
                         "already holds state. Load state through fit(..., ckpt_path) instead.");
     }
     params_ = g.module_parameters();
-    if constexpr (Stage == 3) {  // the first forward runs whole and records the units (unit_reducer, lay_out)
+    if constexpr (Stage == 3) {
       units_ = std::make_unique<UnitScheduler<B>>(g.backend(), g.layout().reshard_after_forward);
       optimizer_ = &optimizer;
       compute_dtype_ = g.compute_dtype();
       sync_every_micro_batch_ = g.layout().sync_every_micro_batch;
       full_params_[&optimizer] = param_lists(optimizer);
+      if (!g.units().empty()) {  // declared (configure_model): laid out now, the first step runs sharded
+        units_->declare(g.units());
+        unit_reducer(g);
+        lay_out(g, optimizer);
+      }  // else the first forward runs whole and records the units (unit_reducer, lay_out)
       return;
     } else {
       reducer_ = std::make_unique<Reducer<B>>(params_, g.backend(), g.world_size(), g.layout().first_bucket_bytes,

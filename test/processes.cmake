@@ -120,8 +120,7 @@ volt_distributed_test(dist.fsdp.gpt_mpirun2 ${volt_mpirun} ${dist} fsdp-gpt 2 re
 # a rank declaring another order refused on every rank, naming the call, the units and the ranks.
 volt_distributed_test(dist.fsdp.declared_mpirun3 ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp-declared 3)
 volt_distributed_test(dist.fsdp.declared_order_refused ${dist} expect-failure 60
-  "on rank 0: volt: the ranks declared different units in configure_model: declared unit 2 is unit 0 on ranks 0 and 2 and unit 1 on rank 1"
-  "on rank 1: volt: the ranks declared different units in configure_model: declared unit 2 is unit 0 on ranks 0 and 2 and unit 1 on rank 1"
+  "volt: the ranks declared different units in configure_model: declared unit 2 is unit 0 on ranks 0 and 2 and unit 1 on rank 1"
   -- ${VOLT_MPIEXEC} --allow-run-as-root --oversubscribe -np 3 ${dist} fsdp-declared 3 1)
 # FSDP at world size 1 against SingleDevice (Bf16Mixed), its sharded checkpoint against its full file (gpu.fsdp on the
 # CPU)

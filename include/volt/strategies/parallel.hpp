@@ -155,8 +155,9 @@ class Parallel : public detail::ProcessGroupStrategy<L, B> {
   }
 
   void setup_optimizer(torch::optim::Optimizer& optimizer);
+  /// Each part's holder clears what it holds (each clears the optimizer's gradients too); with no part, the optimizer's.
   void zero_grad(torch::optim::Optimizer& optimizer) {
-    detail::zero_grad(optimizer);
+    if (parts_.empty()) return detail::zero_grad(optimizer);
     each([&](auto& h) { h.holder.zero_grad(h.group, optimizer); });
   }
   /// Before a backward: `sync` is true on the micro-batch that steps (the others only accumulate).
@@ -304,6 +305,7 @@ class Parallel : public detail::ProcessGroupStrategy<L, B> {
   std::vector<const void*> planned_params_;  // its parameters then (a module at the same address is not the same)
   std::vector<std::unique_ptr<Part>> parts_;
   std::vector<std::pair<Part*, std::size_t>> where_;  // each module parameter's part and its index there
+  std::unordered_set<const void*> stepped_;           // the parameters of parts that step pieces (clipping's)
   detail::PartRouter router_;
   StateDictType state_dict_type_ = StateDictType::full;
   bool warned_ = false;

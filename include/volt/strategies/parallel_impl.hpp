@@ -17,6 +17,7 @@ void Parallel<L, B, Ls...>::setup_environment(torch::Device device) {
   if (mesh_ && mesh_world_ == &world) return;
   router_.uninstall();
   parts_.clear();
+  stepped_.clear();
   where_.clear();
   module_ = nullptr;
   data_ = nullptr;
@@ -60,6 +61,7 @@ void Parallel<L, B, Ls...>::assign(torch::nn::Module& module, const ModelPlan& p
   module_ = nullptr;  // until the parts are all made
   router_.uninstall();
   parts_.clear();
+  stepped_.clear();
   where_.assign(params.size(), {nullptr, 0});
   std::unordered_map<const void*, std::size_t> index;
   for (std::size_t j = 0; j < params.size(); ++j) index.emplace(ids[j], j);
@@ -98,6 +100,10 @@ void Parallel<L, B, Ls...>::assign(torch::nn::Module& module, const ModelPlan& p
   }
   if (!rest.empty()) add_default_part(module, std::move(rest), index);
   assign_units(plan, index);
+  stepped_.clear();
+  each<role::steps_pieces>([&](auto& h) {
+    for (const at::Tensor& p : h.group.module_parameters()) stepped_.insert(p.unsafeGetTensorImpl());
+  });
   plan_ = plan;
   planned_params_ = std::move(ids);
   module_ = &module;
@@ -221,17 +227,15 @@ void Parallel<L, B, Ls...>::clip_gradients(const std::vector<at::Tensor>& params
   std::vector<at::Tensor> tensors;
   detail::PartNorms<B> total{{}, this->root_device(), detail::squares_dtype(params)};
   const auto with_grad = [](const at::Tensor& t) { return t.grad().defined(); };
-  std::unordered_set<const void*> stepped;  // the parameters of parts that step pieces
   each<role::steps_pieces>([&](auto& h) {
     const std::vector<at::Tensor> pieces = h.holder.piece_tensors();
     total.groups.emplace_back(static_cast<std::size_t>(std::count_if(pieces.begin(), pieces.end(), with_grad)),
                               &h.group.backend());
     tensors.insert(tensors.end(), pieces.begin(), pieces.end());
-    for (const at::Tensor& p : h.group.module_parameters()) stepped.insert(p.unsafeGetTensorImpl());
   });
   std::size_t whole = 0;
   for (const at::Tensor& p : params) {
-    if (stepped.count(p.unsafeGetTensorImpl()) != 0) continue;
+    if (stepped_.count(p.unsafeGetTensorImpl()) != 0) continue;
     tensors.push_back(p);
     whole += with_grad(p) ? 1 : 0;
   }
